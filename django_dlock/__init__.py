@@ -1,0 +1,38 @@
+"""Correct distributed locks for Django and Celery.
+
+The public API::
+
+    from django_dlock import lock, locks, LockTimeout, LockLost, DLockError
+
+    with lock("report:daily", ttl=30, timeout=10) as held:
+        held.token      # fencing token, strictly increasing per name
+        held.ensure()   # raises LockLost if the lease is gone
+
+See docs/ for the guarantees each backend gives.
+"""
+
+from .backends.base import LockInfo
+from .exceptions import (
+    BackendUnavailable,
+    DLockError,
+    LockLost,
+    LockNotOwned,
+    LockTimeout,
+    StaleWrite,
+)
+from .handler import locks
+from .lock import HeldLock, Lock, lock
+
+__all__ = [
+    "BackendUnavailable",
+    "DLockError",
+    "HeldLock",
+    "Lock",
+    "LockInfo",
+    "LockLost",
+    "LockNotOwned",
+    "LockTimeout",
+    "StaleWrite",
+    "lock",
+    "locks",
+]

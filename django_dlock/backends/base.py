@@ -1,0 +1,288 @@
+"""The backend contract.
+
+The base class owns everything that must behave the same on every backend:
+validating settings, owner tokens, deadlines on ``time.monotonic()``, the
+blocking loop, holder metadata, signals and the watchdog (through
+:class:`~django_dlock.lock.HeldLock`). A backend implements only atomic,
+single-attempt primitives, as redis-py's ``Lock.acquire`` delegates to
+``do_acquire``:
+
+``do_acquire(name, owner, ttl, holder)``
+    One atomic attempt. If the lock is free or its lease has expired by the
+    service's clock, grant it to ``owner`` for ``ttl`` seconds, advance the
+    per-name fencing counter and store ``holder`` (JSON text); return the new
+    fencing token. Otherwise return None.
+``do_release(name, owner)`` / ``do_extend(name, owner, ttl)`` / ``do_check(name, owner)``
+    Compare the owner on the server, atomically with the change; return
+    whether ``owner`` held a live lease.
+``do_break(name)``
+    Delete the live lease whoever holds it; return whether there was one.
+``do_list(prefix)``
+    The live leases whose names start with ``prefix``.
+``wait(name, remaining, attempt)``
+    Block until the lock may have become free, at most ``remaining`` seconds.
+    The default backs off with jitter; backends that can be woken override it.
+
+Capabilities are declared as class attributes, and the conformance suite
+skips, with the reason, what a backend declares it cannot do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, ClassVar
+
+from django.core.checks import CheckMessage
+
+from .. import conf
+from ..exceptions import InvalidLockOption, InvalidTTL, LockConfigurationError, LockTimeout
+from ..lock import HeldLock
+from ..signals import lock_broken
+
+#: Backoff of the default ``wait()``: first sleep, growth factor and ceiling (seconds).
+BACKOFF_FIRST = 0.002
+BACKOFF_FACTOR = 2.0
+BACKOFF_CEILING = 0.1
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One live lease, as listed by ``locks[alias].list()``.
+
+    ``acquired_at`` and ``expires_at`` come from the lock service's clock;
+    ``expires_in`` is the seconds left by that clock when the list was taken.
+    """
+
+    backend: str
+    name: str
+    token: int
+    holder: dict[str, Any] = field(hash=False)
+    acquired_at: datetime
+    expires_at: datetime
+    expires_in: float
+
+
+def micros_to_datetime(micros: int) -> datetime:
+    return datetime.fromtimestamp(micros / 1_000_000, tz=timezone.utc)
+
+
+def validate_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"A lock name must be a str, not {type(name).__name__}.")
+    if not name:
+        raise ValueError("A lock name must not be empty.")
+    return name
+
+
+def validate_ttl(ttl: object, *, what: str = "ttl") -> float:
+    """A lease length in seconds: a finite number of at least one millisecond."""
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, not {type(ttl).__name__}.")
+    if not math.isfinite(ttl) or ttl < 0.001:
+        raise ValueError(
+            f"{what} must be a finite number of seconds of at least 0.001, not {ttl!r}; "
+            "leases always expire."
+        )
+    return float(ttl)
+
+
+def validate_timeout(timeout: object) -> float | None:
+    """None waits forever, 0 tries once, a positive number waits that many seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be None or a number of seconds, not {timeout!r}.")
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}.")
+    return None if math.isinf(timeout) else float(timeout)
+
+
+def dump_holder(holder: Mapping[str, Any]) -> str:
+    try:
+        return json.dumps(holder, separators=(",", ":"), sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"Lock metadata must be JSON-serializable: {e}") from e
+
+
+def load_holder(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"unparsed": text}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def holder_metadata(ttl: float, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Who is asking: stored with the lease for ``manage.py locks`` and the admin."""
+    holder: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "thread": threading.current_thread().name,
+        "acquired_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        "ttl": ttl,
+    }
+    if extra:
+        holder.update(extra)
+    return holder
+
+
+class BaseLockBackend:
+    """Settings, the blocking loop and the public backend API; see the module docstring."""
+
+    #: Waiters are served in arrival order.
+    supports_fair: ClassVar[bool] = False
+    #: A release wakes waiters (no backoff sleep between attempts).
+    wakes_waiters: ClassVar[bool] = False
+    #: Processes on one machine (or several) see the same locks.
+    shared_across_processes: ClassVar[bool] = True
+    #: ``OPTIONS`` keys this backend accepts; anything else is an error.
+    allowed_options: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
+        self.alias = alias
+        self.path = f"{type(self).__module__}.{type(self).__qualname__}"
+        unknown = sorted(set(params) - conf.SETTINGS_KEYS)
+        if unknown:
+            raise InvalidLockOption(
+                f"Unknown settings {unknown!r} for lock backend {alias!r} ({self.path}); "
+                f"the keys are {sorted(conf.SETTINGS_KEYS)!r}.",
+                alias=alias,
+            )
+        try:
+            self.default_ttl = validate_ttl(params.get("TTL", conf.DEFAULT_TTL), what="TTL")
+        except (TypeError, ValueError) as e:
+            raise InvalidTTL(f"Lock backend {alias!r}: {e}", alias=alias) from e
+        self.location = params.get("LOCATION")
+        self.key_prefix = params.get("KEY_PREFIX", "") or ""
+        if not isinstance(self.key_prefix, str):
+            raise LockConfigurationError(
+                f"KEY_PREFIX of lock backend {alias!r} must be a str.", alias=alias
+            )
+        options = params.get("OPTIONS")
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise LockConfigurationError(
+                f"OPTIONS of lock backend {alias!r} must be a dict.", alias=alias
+            )
+        unknown = sorted(set(options) - self.allowed_options)
+        if unknown:
+            accepted = sorted(self.allowed_options) or "none"
+            raise InvalidLockOption(
+                f"Unknown OPTIONS {unknown!r} for lock backend {alias!r} ({self.path}); "
+                f"it accepts: {accepted}.",
+                alias=alias,
+            )
+        self.options = dict(options)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} alias={self.alias!r}>"
+
+    # --- primitives -----------------------------------------------------------------
+
+    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | None:
+        raise NotImplementedError
+
+    def do_release(self, name: str, owner: str) -> bool:
+        raise NotImplementedError
+
+    def do_extend(self, name: str, owner: str, ttl: float) -> bool:
+        raise NotImplementedError
+
+    def do_check(self, name: str, owner: str) -> bool:
+        raise NotImplementedError
+
+    def do_break(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def do_list(self, prefix: str) -> list[LockInfo]:
+        raise NotImplementedError
+
+    def wait(self, name: str, remaining: float | None, attempt: int) -> None:
+        """Sleep an exponentially growing, jittered interval, never past the deadline."""
+        ceiling = min(BACKOFF_CEILING, BACKOFF_FIRST * BACKOFF_FACTOR**attempt)
+        delay = random.uniform(ceiling / 2, ceiling)
+        time.sleep(delay if remaining is None else min(delay, remaining))
+
+    def check(self) -> list[CheckMessage]:
+        """Backend-specific system check messages (static: no network)."""
+        return []
+
+    def close(self) -> None:
+        """Release client resources; held leases are left to expire or be released."""
+
+    # --- public API -----------------------------------------------------------------
+
+    def acquire(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        renew: bool = True,
+    ) -> HeldLock:
+        """Acquire ``name``, waiting up to ``timeout`` seconds (None: forever, 0: one try).
+
+        Raises :class:`~django_dlock.LockTimeout` when the deadline passes first.
+        """
+        name = validate_name(name)
+        ttl = self.default_ttl if ttl is None else validate_ttl(ttl)
+        timeout = validate_timeout(timeout)
+        owner = secrets.token_hex(16)
+        holder = holder_metadata(ttl, metadata)
+        holder_json = dump_holder(holder)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = 0
+        while True:
+            sent = time.monotonic()
+            token = self.do_acquire(name, owner, ttl, holder_json)
+            if token is not None:
+                return HeldLock._granted(self, name, owner, token, ttl, sent, holder, renew)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise LockTimeout(
+                    f"Could not acquire lock {name!r} on backend {self.alias!r} "
+                    f"within {timeout:g}s.",
+                    name=name,
+                    backend=self.alias,
+                )
+            self.wait(name, remaining, attempt)
+            attempt += 1
+
+    def lock(self, name: str, **kwargs: Any) -> Any:
+        """``lock(name, backend=<this alias>, **kwargs)``."""
+        from ..lock import lock
+
+        return lock(name, backend=self.alias, **kwargs)
+
+    def list(self, prefix: str = "") -> list[LockInfo]:
+        """Live leases whose names start with ``prefix``, sorted by name."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}.")
+        return sorted(self.do_list(prefix), key=lambda info: info.name)
+
+    def break_lock(self, name: str) -> bool:
+        """Delete the lease on ``name`` whoever holds it; False if nothing was held.
+
+        The former holder finds out at its next renewal or ``ensure()``
+        (``LockLost``); work it does before then is unprotected, which is why
+        writes should be fenced.
+        """
+        name = validate_name(name)
+        broken = self.do_break(name)
+        if broken:
+            lock_broken.send(sender=type(self), backend=self.alias, name=name, token=None)
+        return broken

@@ -1,0 +1,404 @@
+"""The database backend: leases in a table, judged by the database server's clock.
+
+It is the zero-config default and works on SQLite, PostgreSQL and
+MySQL/MariaDB. Each lock name has one row (:class:`~django_dlock.models.Lease`)
+that is kept after release, so its ``fence`` column keeps counting and a
+fencing token is never issued twice. A new row's counter is seeded from the
+server clock in microseconds, so that even if the table is lost and recreated
+the next token is larger than any before it.
+
+Which connection runs the statements:
+
+- Outside ``transaction.atomic()``: the thread's own connection, in
+  autocommit, so each statement is committed when it returns.
+- Inside ``atomic()`` on PostgreSQL or MySQL: a private connection of the
+  backend's, in autocommit. A lease must be visible to other processes when
+  ``acquire()`` returns, not when the caller's transaction commits, and a
+  rollback of the caller's work must not undo a release.
+- Inside ``atomic()`` on SQLite: the caller's connection, joining its
+  transaction. SQLite has one writer at a time; a second connection would wait
+  for the caller's own transaction and deadlock. Nobody else can write until
+  the caller commits anyway, so joining keeps mutual exclusion; a rollback
+  undoes the acquisition, and the watchdog then reports the lease lost.
+
+Waiting backs off exponentially with jitter (2 ms doubling to 100 ms).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from django.apps import apps
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.utils import DatabaseError, IntegrityError, InterfaceError, OperationalError
+
+from ..exceptions import BackendUnavailable, LockConfigurationError
+from .base import BaseLockBackend, LockInfo, load_holder, micros_to_datetime
+
+T = TypeVar("T")
+
+SUPPORTED_VENDORS = ("sqlite", "postgresql", "mysql")
+
+# The server's clock as integer microseconds since the epoch. Each expression
+# has one value for the whole statement, so a statement compares and stores
+# the same instant everywhere it appears.
+_NOW = {
+    # statement_timestamp(): start of the statement, stable within it.
+    "postgresql": "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000000)::bigint",
+    # NOW(6): start of the statement, stable within it.
+    "mysql": "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)",
+    # 'now' is stable within one sqlite3_step(); '%f' is "SS.SSS" (milliseconds).
+    # '%%' because Django's SQLite cursor turns '%s' into a placeholder.
+    "sqlite": (
+        "(CAST(strftime('%%s', 'now') AS INTEGER) * 1000000"
+        " + CAST(substr(strftime('%%f', 'now'), 4, 3) AS INTEGER) * 1000)"
+    ),
+}
+
+# MySQL's default collations ignore case; lock names must not.
+_BINARY = {
+    "mysql": "CAST({} AS BINARY)",
+    "postgresql": "{}",
+    "sqlite": "{}",
+}
+
+# MySQL error codes for a lost race between transactions: deadlock, lock wait timeout.
+_MYSQL_RETRYABLE = {1213, 1205}
+
+
+@dataclass(frozen=True)
+class _Statements:
+    acquire: str
+    acquire_insert: str | None
+    release: str
+    extend: str
+    check: str
+    break_: str
+    list: str
+
+
+def _statements(vendor: str, table: str) -> _Statements:
+    now = _NOW[vendor]
+    binary = _BINARY[vendor]
+    columns = "digest, namespace, name, fence, owner, acquired_at_us, expires_at_us, holder"
+    if vendor == "mysql":
+        # MySQL has no UPDATE ... RETURNING. LAST_INSERT_ID(expr) stores expr for
+        # this connection and the driver reports it as cursor.lastrowid, so the
+        # new token comes back with the statement.
+        #
+        # params: owner, ttl (us), holder JSON, digest
+        # returns: rowcount 1 and lastrowid = the new token if the row was free
+        #          or expired; rowcount 0 if it is held or does not exist yet.
+        acquire = (
+            f"UPDATE {table} SET fence = LAST_INSERT_ID(fence + 1), owner = %s,"
+            f" acquired_at_us = {now}, expires_at_us = {now} + %s, holder = %s"
+            f" WHERE digest = %s AND (owner IS NULL OR expires_at_us <= {now})"
+        )
+        # The first acquisition of a name. A duplicate key means another client
+        # created the row first: that attempt failed.
+        #
+        # params: digest, namespace, name, owner, ttl (us), holder JSON
+        # returns: lastrowid = the token, seeded from the server clock.
+        acquire_insert = (
+            f"INSERT INTO {table} ({columns})"
+            f" VALUES (%s, %s, %s, LAST_INSERT_ID({now}), %s, {now}, {now} + %s, %s)"
+        )
+    else:
+        # One statement: create the row for a new name (the token seeded from
+        # the server clock), or take over a free or expired row (token + 1). If
+        # a live lease holds the row the DO UPDATE's WHERE fails and no row
+        # comes back. Under concurrency PostgreSQL re-checks the WHERE against
+        # the row version that won, and SQLite runs one writer at a time.
+        #
+        # params: digest, namespace, name, owner, ttl (us), holder JSON
+        # returns: one row (the new fencing token) or none.
+        acquire = (
+            f"INSERT INTO {table} ({columns})"
+            f" VALUES (%s, %s, %s, {now}, %s, {now}, {now} + %s, %s)"
+            f" ON CONFLICT (digest) DO UPDATE SET fence = {table}.fence + 1,"
+            " owner = excluded.owner, acquired_at_us = excluded.acquired_at_us,"
+            " expires_at_us = excluded.expires_at_us, holder = excluded.holder"
+            f" WHERE {table}.owner IS NULL OR {table}.expires_at_us <= excluded.acquired_at_us"
+            " RETURNING fence"
+        )
+        acquire_insert = None
+    return _Statements(
+        acquire=acquire,
+        acquire_insert=acquire_insert,
+        # Compare-and-release. The fence column is kept so the counter survives.
+        # params: digest, owner
+        # returns: rowcount 1 if owner held a live lease, else 0.
+        release=(
+            f"UPDATE {table} SET owner = NULL, acquired_at_us = NULL, expires_at_us = NULL,"
+            f" holder = '' WHERE digest = %s AND owner = %s AND expires_at_us > {now}"
+        ),
+        # Compare-and-extend: the lease runs ttl from now by the server clock.
+        # params: ttl (us), digest, owner
+        # returns: rowcount 1 if owner held a live lease, else 0.
+        extend=(
+            f"UPDATE {table} SET expires_at_us = {now} + %s"
+            f" WHERE digest = %s AND owner = %s AND expires_at_us > {now}"
+        ),
+        # params: digest, owner
+        # returns: one row if owner holds a live lease, else none.
+        check=(
+            f"SELECT 1 FROM {table} WHERE digest = %s AND owner = %s AND expires_at_us > {now}"
+        ),
+        # Break whoever holds it.
+        # params: digest
+        # returns: rowcount 1 if there was a live lease, else 0.
+        break_=(
+            f"UPDATE {table} SET owner = NULL, acquired_at_us = NULL, expires_at_us = NULL,"
+            f" holder = '' WHERE digest = %s AND expires_at_us > {now}"
+        ),
+        # Live leases in a namespace by name prefix, through the expires_at_us
+        # index: the rows read are the live leases, not every name ever locked.
+        # params: namespace, len(prefix), prefix
+        # returns: name, fence, holder, acquired_at_us, expires_at_us, now_us.
+        list=(
+            f"SELECT name, fence, holder, acquired_at_us, expires_at_us, {now} FROM {table}"
+            f" WHERE expires_at_us > {now}"
+            f" AND {binary.format('namespace')} = {binary.format('%s')}"
+            f" AND {binary.format('substr(name, 1, %s)')} = {binary.format('%s')}"
+        ),
+    )
+
+
+def _micros(seconds: float) -> int:
+    return max(1, round(seconds * 1_000_000))
+
+
+class DatabaseBackend(BaseLockBackend):
+    """Leases in the ``django_dlock_lease`` table of a Django database.
+
+    ``OPTIONS``: ``database``, the alias in ``DATABASES`` (default "default").
+    """
+
+    allowed_options = frozenset({"database"})
+
+    def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
+        super().__init__(alias, params)
+        if self.location is not None:
+            raise LockConfigurationError(
+                f"Lock backend {alias!r}: the database backend does not use LOCATION; name "
+                "the database with OPTIONS={'database': '<alias in DATABASES>'}.",
+                alias=alias,
+            )
+        self.database = self.options.get("database", DEFAULT_DB_ALIAS)
+        if not isinstance(self.database, str):
+            raise LockConfigurationError(
+                f"Lock backend {alias!r}: OPTIONS['database'] must be a DATABASES alias.",
+                alias=alias,
+            )
+        self._local = threading.local()
+        self._statements_cache: dict[str, _Statements] = {}
+
+    def check(self) -> list[checks.CheckMessage]:
+        from django.conf import settings
+
+        errors: list[checks.CheckMessage] = []
+        if not apps.is_installed("django_dlock"):
+            errors.append(
+                checks.Error(
+                    f"Lock backend {self.alias!r} uses the database backend, which needs "
+                    "'django_dlock' in INSTALLED_APPS for its table.",
+                    hint="Add 'django_dlock' to INSTALLED_APPS and run migrate.",
+                    id="django_dlock.E007",
+                )
+            )
+        if self.database not in settings.DATABASES:
+            errors.append(
+                checks.Error(
+                    f"Lock backend {self.alias!r}: database {self.database!r} is not in "
+                    "DATABASES.",
+                    id="django_dlock.E008",
+                )
+            )
+        elif connections[self.database].vendor not in SUPPORTED_VENDORS:
+            errors.append(
+                checks.Error(
+                    f"Lock backend {self.alias!r}: database {self.database!r} is "
+                    f"{connections[self.database].vendor}; the database backend supports "
+                    f"{', '.join(SUPPORTED_VENDORS)}.",
+                    id="django_dlock.E008",
+                )
+            )
+        return errors
+
+    def close(self) -> None:
+        private = getattr(self._local, "connection", None)
+        if private is not None:
+            private.close()
+            self._local.connection = None
+
+    # --- plumbing -------------------------------------------------------------------
+
+    def _key(self, name: str) -> str:
+        return hashlib.sha256(f"{self.key_prefix}\0{name}".encode()).hexdigest()
+
+    def _connection(self) -> BaseDatabaseWrapper:
+        connection = connections[self.database]
+        if connection.vendor == "sqlite" or not connection.in_atomic_block:
+            return connection
+        private = getattr(self._local, "connection", None)
+        if private is None:
+            private = self._local.connection = connections.create_connection(self.database)
+        return private
+
+    def _sql(self, connection: BaseDatabaseWrapper) -> _Statements:
+        vendor = connection.vendor
+        statements = self._statements_cache.get(vendor)
+        if statements is None:
+            if vendor not in SUPPORTED_VENDORS:
+                raise ImproperlyConfigured(
+                    f"Lock backend {self.alias!r}: the database backend does not support "
+                    f"{vendor} (supported: {', '.join(SUPPORTED_VENDORS)})."
+                )
+            from ..models import Lease
+
+            table = connection.ops.quote_name(Lease._meta.db_table)
+            statements = self._statements_cache[vendor] = _statements(vendor, table)
+        return statements
+
+    def _run(
+        self,
+        name: str,
+        fn: Callable[[BaseDatabaseWrapper, _Statements, Any], T],
+    ) -> T:
+        connection = self._connection()
+        statements = self._sql(connection)
+        try:
+            with connection.cursor() as cursor:
+                return fn(connection, statements, cursor)
+        except (OperationalError, InterfaceError) as e:
+            if connection.vendor == "sqlite" and "locked" in str(e):
+                raise _Busy from e
+            if connection.vendor == "mysql" and e.args and e.args[0] in _MYSQL_RETRYABLE:
+                raise _Busy from e
+            self._discard(connection)
+            raise self._unavailable(connection, name, e) from e
+        except DatabaseError as e:
+            raise self._unavailable(connection, name, e) from e
+
+    def _discard(self, connection: BaseDatabaseWrapper) -> None:
+        # Outside a transaction a broken connection is closed so that the next
+        # call reconnects; inside one, the caller's atomic block owns it.
+        if not connection.in_atomic_block:
+            connection.close()
+
+    def _unavailable(
+        self, connection: BaseDatabaseWrapper, name: str, error: Exception
+    ) -> BackendUnavailable:
+        from ..models import Lease
+
+        message = f"Database {self.database!r} failed for lock {name!r}: {error}"
+        try:
+            with connection.cursor() as cursor:
+                tables = connection.introspection.table_names(cursor)
+            if Lease._meta.db_table not in tables:
+                message = (
+                    f"Table {Lease._meta.db_table} is missing from database {self.database!r}:"
+                    " run `manage.py migrate django_dlock`."
+                )
+        except DatabaseError:
+            pass
+        return BackendUnavailable(message, name=name, backend=self.alias)
+
+    def _retry_busy(
+        self, name: str, fn: Callable[[BaseDatabaseWrapper, _Statements, Any], T]
+    ) -> T:
+        # Release, extend and break must not be dropped because another writer
+        # held SQLite's lock past its busy timeout, or MySQL picked us as a
+        # deadlock victim.
+        for _ in range(4):
+            try:
+                return self._run(name, fn)
+            except _Busy:
+                continue
+        try:
+            return self._run(name, fn)
+        except _Busy as e:
+            raise BackendUnavailable(
+                f"Database {self.database!r} stayed busy for lock {name!r}.",
+                name=name,
+                backend=self.alias,
+            ) from e.__cause__
+
+    # --- primitives -----------------------------------------------------------------
+
+    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | None:
+        digest, ttl_us = self._key(name), _micros(ttl)
+
+        def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> int | None:
+            if sql.acquire_insert is None:
+                cursor.execute(sql.acquire, [digest, self.key_prefix, name, owner, ttl_us, holder])
+                row = cursor.fetchone()
+                return None if row is None else int(row[0])
+            cursor.execute(sql.acquire, [owner, ttl_us, holder, digest])
+            if cursor.rowcount == 1:
+                return int(cursor.lastrowid)
+            try:
+                cursor.execute(
+                    sql.acquire_insert, [digest, self.key_prefix, name, owner, ttl_us, holder]
+                )
+            except IntegrityError:
+                return None
+            return int(cursor.lastrowid)
+
+        try:
+            return self._run(name, run)
+        except _Busy:
+            return None
+
+    def _rowcount(self, name: str, statement: str, params: list[Any]) -> bool:
+        def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> bool:
+            cursor.execute(getattr(sql, statement), params)
+            return bool(cursor.rowcount == 1)
+
+        return self._retry_busy(name, run)
+
+    def do_release(self, name: str, owner: str) -> bool:
+        return self._rowcount(name, "release", [self._key(name), owner])
+
+    def do_extend(self, name: str, owner: str, ttl: float) -> bool:
+        return self._rowcount(name, "extend", [_micros(ttl), self._key(name), owner])
+
+    def do_break(self, name: str) -> bool:
+        return self._rowcount(name, "break_", [self._key(name)])
+
+    def do_check(self, name: str, owner: str) -> bool:
+        def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> bool:
+            cursor.execute(sql.check, [self._key(name), owner])
+            return cursor.fetchone() is not None
+
+        return self._retry_busy(name, run)
+
+    def do_list(self, prefix: str) -> list[LockInfo]:
+        def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> list[Any]:
+            cursor.execute(sql.list, [self.key_prefix, len(prefix), prefix])
+            return list(cursor.fetchall())
+
+        rows = self._retry_busy(prefix, run)
+        return [
+            LockInfo(
+                backend=self.alias,
+                name=name,
+                token=int(fence),
+                holder=load_holder(holder),
+                acquired_at=micros_to_datetime(int(acquired_us)),
+                expires_at=micros_to_datetime(int(expires_us)),
+                expires_in=(int(expires_us) - int(now_us)) / 1_000_000,
+            )
+            for name, fence, holder, acquired_us, expires_us, now_us in rows
+        ]
+
+
+class _Busy(Exception):
+    """The database refused the statement for contention; the attempt may be repeated."""

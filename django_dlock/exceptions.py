@@ -1,0 +1,95 @@
+"""Errors raised by django-dlock.
+
+There are two trees, for the reason django-anymail gives: a runtime failure is
+something the code around a lock handles (wait longer, give up, retry the job),
+while a configuration mistake must stop a deploy. Configuration errors subclass
+Django's ``ImproperlyConfigured`` so that startup and ``manage.py check`` report
+them the Django way, each with a stable check id.
+
+::
+
+    DLockError                      runtime; carries .name and .backend (alias)
+    ├── LockTimeout                 not acquired within ``timeout``
+    ├── LockLost                    the lease is gone: expired, broken, or renewal failed
+    │   └── LockNotOwned            release/extend by a handle whose lease is not current
+    ├── BackendUnavailable          the lock service could not be reached
+    └── StaleWrite                  a fenced write carried an older fencing token
+
+    django.core.exceptions.ImproperlyConfigured
+    └── LockConfigurationError      carries .alias and .check_id (E001, E002, E006-E008)
+        ├── InvalidBackendError     BACKEND missing or not importable      django_dlock.E003
+        ├── InvalidLockOption       unknown settings or OPTIONS key         django_dlock.E004
+        └── InvalidTTL              TTL is not a positive number            django_dlock.E005
+"""
+
+from __future__ import annotations
+
+from django.core.exceptions import ImproperlyConfigured
+
+
+class DLockError(Exception):
+    """Root of every runtime error raised by django-dlock."""
+
+    def __init__(
+        self, message: str, *, name: str | None = None, backend: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.name = name
+        self.backend = backend
+
+
+class LockTimeout(DLockError):
+    """The lock was not acquired before the timeout ran out (``timeout=0``: on the one try)."""
+
+
+class LockLost(DLockError):
+    """The lease is gone: it expired, was broken, or the watchdog could not renew it.
+
+    Whatever the holder does next is no longer protected by the lock. Writes
+    that must not be repeated should carry the fencing token so that the
+    storage can refuse them (see ``StaleWrite``).
+    """
+
+
+class LockNotOwned(LockLost):
+    """Release or extend was refused: the caller's owner token is not the current one."""
+
+
+class BackendUnavailable(DLockError):
+    """The lock service could not be reached or answered with an error."""
+
+
+class StaleWrite(DLockError):
+    """A fenced write was refused because a newer fencing token has already written."""
+
+
+class LockConfigurationError(ImproperlyConfigured):
+    """Root of configuration errors; ``check_id`` is the system check that reports it."""
+
+    check_id = "django_dlock.E006"
+
+    def __init__(
+        self, message: str, *, alias: str | None = None, check_id: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.alias = alias
+        if check_id is not None:
+            self.check_id = check_id
+
+
+class InvalidBackendError(LockConfigurationError):
+    """``BACKEND`` is missing, or its dotted path cannot be imported."""
+
+    check_id = "django_dlock.E003"
+
+
+class InvalidLockOption(LockConfigurationError):
+    """A settings key or ``OPTIONS`` key that the backend does not know."""
+
+    check_id = "django_dlock.E004"
+
+
+class InvalidTTL(LockConfigurationError):
+    """``TTL`` is not a positive number of seconds."""
+
+    check_id = "django_dlock.E005"

@@ -1,0 +1,500 @@
+"""The lock handle: ``lock(...)`` as a context manager, a decorator, or by hand.
+
+``lock(name, ...)`` returns a :class:`Lock`, a reusable description of what to
+acquire. Each acquisition yields a :class:`HeldLock`, the lease actually
+granted, with its fencing token. ``with lock("x") as held`` keeps the handle
+for the block; the decorator acquires per call, so one decorated function is
+safe to call from many threads at once.
+
+A lease can be lost while it is held. Walk through it in time:
+
+    t0  A acquires "report" with ttl=30 and gets fencing token 41.
+    t1  A's process freezes (GC pause, SIGSTOP, a slow network) for 40 s;
+        the watchdog thread freezes with it and cannot renew.
+    t30 The lease expires by the lock service's clock.
+    t31 B acquires "report" and gets token 42.
+    t40 A resumes. Until it talks to the service it cannot know.
+
+``held.ensure()`` asks the service and raises :class:`LockLost` at t40, and the
+watchdog's next renewal marks the handle lost and sends ``lock_lost``. Neither
+closes the gap between a check and a write, so writes that must not be
+repeated carry ``held.token`` and the storage refuses the older token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import string
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from . import conf
+from .exceptions import BackendUnavailable, LockLost, LockNotOwned
+from .signals import lock_acquired, lock_lost, lock_released
+from .watchdog import get_watchdog
+
+if TYPE_CHECKING:
+    from .backends.base import BaseLockBackend
+
+logger = logging.getLogger("django_dlock")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_HELD, _RELEASED, _LOST = "held", "released", "lost"
+
+#: Seconds between renewal retries after an error, as a fraction of the TTL.
+RETRY_FRACTION = 0.1
+
+_UNSET: Any = object()
+
+
+class HeldLock:
+    """A lease that was granted: its name, fencing token and owner.
+
+    Use :meth:`ensure` before work that depends on still holding the lock,
+    :meth:`extend` to push the expiry out by hand, and :meth:`release` (or
+    leave the ``with`` block) when done. While ``renew`` is on (the default)
+    the process's watchdog renews the lease every ``ttl / 3`` seconds.
+    """
+
+    backend: BaseLockBackend
+    name: str
+    token: int
+    owner: str
+    ttl: float
+    holder: dict[str, Any]
+    lost_reason: str | None
+    _mutex: threading.Lock
+    _state: str
+    _expires: float
+    _renew_enabled: bool
+    _watch_generation: int
+
+    def __init__(self) -> None:
+        raise TypeError("HeldLock is created by acquiring a lock, not directly.")
+
+    @classmethod
+    def _granted(
+        cls,
+        backend: BaseLockBackend,
+        name: str,
+        owner: str,
+        token: int,
+        ttl: float,
+        sent: float,
+        holder: dict[str, Any],
+        renew: bool,
+    ) -> HeldLock:
+        self = object.__new__(cls)
+        self.backend = backend
+        self.name = name
+        self.owner = owner
+        self.token = int(token)
+        self.ttl = ttl
+        self.holder = holder
+        self.lost_reason = None
+        self._mutex = threading.Lock()
+        self._state = _HELD
+        # The lease cannot outlive sent + ttl by our clock: the service started
+        # counting no earlier than we sent the request.
+        self._expires = sent + ttl
+        self._renew_enabled = renew
+        self._watch_generation = 0
+        if renew:
+            get_watchdog().schedule(self, ttl / 3)
+        try:
+            lock_acquired.send(
+                sender=type(backend), backend=backend.alias, name=name, token=self.token, held=self
+            )
+        except BaseException:
+            self._release_quietly()
+            raise
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"<HeldLock {self.name!r} token={self.token} backend={self.alias!r} "
+            f"state={self._state}>"
+        )
+
+    @property
+    def alias(self) -> str:
+        return self.backend.alias
+
+    @property
+    def released(self) -> bool:
+        return self._state == _RELEASED
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known to be gone, or must have run out by our clock.
+
+        Local knowledge only; :meth:`ensure` asks the lock service.
+        """
+        return self._state == _LOST or (self._state == _HELD and self.expires_in <= 0)
+
+    @property
+    def expires_in(self) -> float:
+        """Seconds until the lease runs out by our conservative estimate, unless renewed."""
+        return self._expires - time.monotonic()
+
+    def ensure(self) -> None:
+        """Raise :class:`LockLost` unless the lock service confirms the lease is ours now.
+
+        One round trip. The confirmation is for this instant: a write that
+        follows should still carry :attr:`token`.
+        """
+        if self._state == _RELEASED:
+            raise self._error(LockLost, "was released")
+        if self._state == _LOST:
+            raise self._error(LockLost, f"was lost: {self.lost_reason}")
+        if self.expires_in <= 0:
+            self._mark_lost("its lease ran out before it could be renewed")
+            raise self._error(LockLost, f"was lost: {self.lost_reason}")
+        if not self.backend.do_check(self.name, self.owner):
+            self._mark_lost("the lock service no longer has this lease (expired or broken)")
+            raise self._error(LockLost, f"was lost: {self.lost_reason}")
+
+    def extend(self, ttl: float | None = None) -> None:
+        """Make the lease run ``ttl`` seconds from now (default: its current TTL).
+
+        The new TTL also becomes the renewal period's basis. Raises
+        :class:`LockNotOwned` (a :class:`LockLost`) if the lease is gone.
+        """
+        from .backends.base import validate_ttl
+
+        ttl = self.ttl if ttl is None else validate_ttl(ttl)
+        if self._state != _HELD:
+            raise self._error(LockNotOwned, f"cannot be extended: it was {self._state}")
+        sent = time.monotonic()
+        if not self.backend.do_extend(self.name, self.owner, ttl):
+            self._mark_lost("extend was refused: the lease expired or was broken")
+            raise self._error(LockNotOwned, "cannot be extended: the lease is gone")
+        with self._mutex:
+            self.ttl = ttl
+            self._expires = sent + ttl
+        if self._renew_enabled and self._state == _HELD:
+            get_watchdog().schedule(self, ttl / 3)
+
+    def release(self) -> None:
+        """Release the lease if this handle still owns it.
+
+        Releasing twice is a no-op. Raises :class:`LockNotOwned` when the lease
+        had already expired or been broken, since then the work done under it
+        was not protected to the end.
+        """
+        with self._mutex:
+            if self._state == _RELEASED:
+                return
+            was_lost = self._state == _LOST
+            self._state = _RELEASED
+        # Stop renewing first: if the release cannot reach the service, the
+        # lease must still run out rather than be kept alive by the watchdog.
+        get_watchdog().cancel(self)
+        released = self.backend.do_release(self.name, self.owner)
+        if not released:
+            if not was_lost:
+                self.lost_reason = "release was refused: the lease expired or was broken"
+                self._send_lost()
+            raise self._error(
+                LockNotOwned, "was not held at release: the lease expired or was broken"
+            )
+        lock_released.send(
+            sender=type(self.backend),
+            backend=self.alias,
+            name=self.name,
+            token=self.token,
+            held=self,
+        )
+
+    def __enter__(self) -> HeldLock:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        _release_on_exit(self, exc_type is not None)
+
+    # --- internals -------------------------------------------------------------------
+
+    def _error(self, cls: type[LockLost], what: str) -> LockLost:
+        return cls(
+            f"Lock {self.name!r} (token {self.token}) on backend {self.alias!r} {what}.",
+            name=self.name,
+            backend=self.alias,
+        )
+
+    def _release_quietly(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            logger.exception("Could not release lock %r on %r", self.name, self.alias)
+
+    def _mark_lost(self, reason: str) -> None:
+        with self._mutex:
+            if self._state != _HELD:
+                return
+            self._state = _LOST
+            self.lost_reason = reason
+        get_watchdog().cancel(self)
+        self._send_lost()
+
+    def _send_lost(self) -> None:
+        logger.warning(
+            "Lock %r (token %s) on backend %r was lost: %s",
+            self.name,
+            self.token,
+            self.alias,
+            self.lost_reason,
+        )
+        for receiver, result in lock_lost.send_robust(
+            sender=type(self.backend),
+            backend=self.alias,
+            name=self.name,
+            token=self.token,
+            held=self,
+            reason=self.lost_reason,
+        ):
+            if isinstance(result, Exception):
+                logger.error("lock_lost receiver %r raised %r", receiver, result)
+
+    def _renew(self) -> None:
+        """Called by the watchdog thread; never raises."""
+        if self._state != _HELD:
+            return
+        sent = time.monotonic()
+        try:
+            renewed = self.backend.do_extend(self.name, self.owner, self.ttl)
+        except Exception as e:
+            remaining = self.expires_in
+            if remaining <= 0:
+                self._mark_lost(f"renewal failed until the lease ran out: {e!r}")
+                return
+            logger.warning("Renewing lock %r on %r failed, retrying: %r", self.name, self.alias, e)
+            if self._state == _HELD:
+                delay = min(self.ttl * RETRY_FRACTION, remaining / 2, 1.0)
+                get_watchdog().schedule(self, delay)
+            return
+        if not renewed:
+            self._mark_lost("renewal was refused: the lease expired or was broken")
+            return
+        with self._mutex:
+            if self._state != _HELD:
+                return
+            self._expires = sent + self.ttl
+        get_watchdog().schedule(self, self.ttl / 3)
+
+
+def _release_on_exit(held: HeldLock, body_raised: bool) -> None:
+    """Release at the end of a ``with`` block or decorated call.
+
+    If the body completed, a lost lease is reported by raising: the block ran
+    (partly) unprotected and the caller must know. If the body raised, its
+    exception wins and the release problem is only logged.
+    """
+    try:
+        held.release()
+    except (LockLost, BackendUnavailable):
+        if not body_raised:
+            raise
+        logger.warning("Releasing %r after an exception failed", held, exc_info=True)
+
+
+# What each Lock acquired in this context (thread or asyncio task), innermost last.
+# Weak references: the Lock object keeps its own handles alive, so dropping the
+# Lock (and the handle) lets the watchdog stop renewing and the lease expire.
+_acquired: ContextVar[tuple[tuple[weakref.ref[Lock], weakref.ref[HeldLock]], ...]] = ContextVar(
+    "django_dlock_acquired", default=()
+)
+
+
+def _template_fields(template: str) -> set[str]:
+    """The argument names a key template refers to: "inv:{inv.pk}" -> {"inv"}."""
+    roots = set()
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field is None:
+            continue
+        root = field.split(".", 1)[0].split("[", 1)[0]
+        if not root or root.isdigit():
+            raise ValueError(
+                f"Lock key template {template!r} must name arguments, as in 'invoice:{{id}}'."
+            )
+        roots.add(root)
+    return roots
+
+
+class Lock:
+    """What to acquire: a name (or key template), TTL, timeout and backend alias.
+
+    Use it as ``with lock(...) as held:``, ``async with``, as a decorator, or
+    call :meth:`acquire` by hand.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        backend: str = conf.DEFAULT_ALIAS,
+        metadata: Mapping[str, Any] | None = None,
+        renew: bool = True,
+    ) -> None:
+        from .backends.base import (
+            dump_holder,
+            validate_name,
+            validate_timeout,
+            validate_ttl,
+        )
+
+        self.name = validate_name(name)
+        self.ttl = None if ttl is None else validate_ttl(ttl)
+        self.timeout = validate_timeout(timeout)
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be an alias (str), not {type(backend).__name__}.")
+        self.backend = backend
+        if metadata is not None:
+            if not isinstance(metadata, Mapping):
+                raise TypeError("metadata must be a dict.")
+            dump_holder(metadata)
+        self.metadata = dict(metadata) if metadata else None
+        self.renew = renew
+        self._handles: set[HeldLock] = set()
+
+    def __repr__(self) -> str:
+        return f"<Lock {self.name!r} backend={self.backend!r}>"
+
+    def acquire(self, timeout: float | None = _UNSET, *, name: str | None = None) -> HeldLock:
+        """Acquire and return the handle; ``timeout`` overrides the one given to ``lock()``.
+
+        The handle is also remembered, so :meth:`release` (or leaving a
+        ``with`` block) on this object releases the latest acquisition made in
+        the current thread or task.
+        """
+        held = self._acquire(timeout, name)
+        self._push(held)
+        return held
+
+    def release(self) -> None:
+        """Release the latest acquisition of this object in the current thread or task."""
+        self._pop().release()
+
+    def __enter__(self) -> HeldLock:
+        return self.acquire()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        _release_on_exit(self._pop(), exc_type is not None)
+
+    async def __aenter__(self) -> HeldLock:
+        held = await asyncio.to_thread(self._acquire, _UNSET, None)
+        self._push(held)
+        return held
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        held = self._pop()
+        await asyncio.to_thread(_release_on_exit, held, exc_type is not None)
+
+    def __call__(self, func: F) -> F:
+        """Decorate ``func`` so each call runs under the lock, the key built from its arguments."""
+        signature = inspect.signature(func)
+        fields = _template_fields(self.name)
+        has_var_keyword = any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
+        )
+        missing = fields - set(signature.parameters)
+        if missing and not has_var_keyword:
+            raise ValueError(
+                f"Lock key {self.name!r} names {sorted(missing)!r}, which "
+                f"{func.__qualname__}() does not take."
+            )
+
+        static_key = None if fields else self.name.format()
+
+        def key_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+            if static_key is not None:
+                return static_key
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            values = dict(bound.arguments)
+            for p in signature.parameters.values():
+                if p.kind is inspect.Parameter.VAR_KEYWORD:
+                    values.update(values.pop(p.name, {}))
+            return self.name.format(**values)
+
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                held = await asyncio.to_thread(self._acquire, _UNSET, key_for(args, kwargs))
+                try:
+                    result = await func(*args, **kwargs)
+                except BaseException:
+                    await asyncio.to_thread(_release_on_exit, held, True)
+                    raise
+                await asyncio.to_thread(_release_on_exit, held, False)
+                return result
+
+            return cast(F, async_wrapper)
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self._acquire(_UNSET, key_for(args, kwargs)):
+                return func(*args, **kwargs)
+
+        return cast(F, wrapper)
+
+    # --- internals -------------------------------------------------------------------
+
+    def _acquire(self, timeout: float | None, name: str | None) -> HeldLock:
+        from .handler import locks
+
+        return locks[self.backend].acquire(
+            self.name if name is None else name,
+            ttl=self.ttl,
+            timeout=self.timeout if timeout is _UNSET else timeout,
+            metadata=self.metadata,
+            renew=self.renew,
+        )
+
+    def _push(self, held: HeldLock) -> None:
+        self._handles.add(held)
+        live = tuple(entry for entry in _acquired.get() if entry[0]() is not None)
+        _acquired.set((*live, (weakref.ref(self), weakref.ref(held))))
+
+    def _pop(self) -> HeldLock:
+        stack = _acquired.get()
+        for i in range(len(stack) - 1, -1, -1):
+            held = stack[i][1]()
+            if stack[i][0]() is self and held is not None:
+                _acquired.set(stack[:i] + stack[i + 1 :])
+                self._handles.discard(held)
+                return held
+        raise RuntimeError(f"{self!r} was not acquired in this thread or task.")
+
+
+def lock(
+    name: str,
+    *,
+    ttl: float | None = None,
+    timeout: float | None = None,
+    backend: str = conf.DEFAULT_ALIAS,
+    metadata: Mapping[str, Any] | None = None,
+    renew: bool = True,
+) -> Lock:
+    """Describe a distributed lock on ``name``.
+
+    ``ttl``: lease length in seconds (default: the backend's ``TTL``, 30 s).
+    ``timeout``: None waits forever, 0 tries once, otherwise seconds to wait
+    before :class:`~django_dlock.LockTimeout`. ``backend``: the alias in
+    ``DLOCK_BACKENDS``. ``metadata``: extra JSON-serializable holder details
+    shown by ``manage.py locks``. ``renew``: let the watchdog renew the lease.
+
+    As a decorator, ``name`` may be a template over the function's arguments:
+    ``@lock("invoice:{invoice_id}")``.
+    """
+    return Lock(name, ttl=ttl, timeout=timeout, backend=backend, metadata=metadata, renew=renew)

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from django.db import models
+
+
+class Lease(models.Model):
+    """The database backend's row per lock name.
+
+    The row is kept after release so that ``fence`` keeps counting: a fencing
+    token is never issued twice for a name. Times are microseconds since the
+    epoch by the database server's clock; the backend's SQL never compares
+    them with the client's clock.
+    """
+
+    digest = models.CharField(
+        max_length=64,
+        primary_key=True,
+        help_text="SHA-256 of KEY_PREFIX and name: names may be longer than an index allows.",
+    )
+    namespace = models.CharField(max_length=255, default="", help_text="The backend's KEY_PREFIX.")
+    name = models.TextField()
+    fence = models.BigIntegerField(help_text="The last fencing token issued for this name.")
+    # NULL, not "", means free: the acquire statement tests "owner IS NULL".
+    owner = models.CharField(  # noqa: DJ001
+        max_length=64, null=True, help_text="Owner token of the holder; NULL when free."
+    )
+    acquired_at_us = models.BigIntegerField(null=True)
+    expires_at_us = models.BigIntegerField(null=True, db_index=True)
+    holder = models.TextField(default="", help_text="Holder metadata as JSON.")
+
+    class Meta:
+        verbose_name = "lease"
+        verbose_name_plural = "leases"
+
+    def __str__(self) -> str:
+        return self.name

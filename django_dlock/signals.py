@@ -1,0 +1,36 @@
+"""Signals sent by django-dlock, and the receiver that resets cached settings.
+
+Every signal is sent with ``sender`` = the backend class and these keyword
+arguments: ``backend`` (alias), ``name`` and ``token``; the handle-based ones
+also pass ``held`` (the :class:`~django_dlock.lock.HeldLock`).
+
+- ``lock_acquired``: a lease was granted.
+- ``lock_released``: its holder released it.
+- ``lock_lost``: a holder found out its lease is gone (renewal refused or
+  failed until the lease ran out, or ``ensure()`` saw it gone). Sent once per
+  handle, from the thread that noticed: often the watchdog thread.
+- ``lock_broken``: an operator broke a lease with ``break_lock()``; ``token``
+  is None because the breaker does not learn it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.signals import setting_changed
+from django.dispatch import Signal, receiver
+
+lock_acquired = Signal()
+lock_released = Signal()
+lock_lost = Signal()
+lock_broken = Signal()
+
+
+@receiver(setting_changed)
+def _reset_on_setting_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting == "DLOCK_BACKENDS":
+        from . import conf
+        from .handler import locks
+
+        conf.clear_cache()
+        locks.reset()
