@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.conf import settings
+
+from django_dlock import locks
+from django_dlock.backends.base import BaseLockBackend
+
+
+def backend_params(aliases: list[str] | None = None) -> list[object]:
+    """One pytest param per backend under test, marked with the database it needs."""
+    params = []
+    for alias, database in settings.CONFORMANCE_BACKENDS.items():
+        if aliases is not None and alias not in aliases:
+            continue
+        reason = settings.UNAVAILABLE_BACKENDS.get(alias)
+        if reason:
+            marks = [pytest.mark.skip(reason=reason)]
+        elif database is None:
+            marks = []
+        else:
+            marks = [pytest.mark.django_db(transaction=True, databases=[database])]
+        params.append(pytest.param(alias, marks=marks, id=alias))
+    return params
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend_alias" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("backends")
+        aliases = list(marker.args) if marker else None
+        metafunc.parametrize("backend_alias", backend_params(aliases))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "backends(*aliases): run a backend_alias test on these backends only"
+    )
+
+
+@pytest.fixture
+def backend(backend_alias: str) -> BaseLockBackend:
+    return locks[backend_alias]
+
+
+@pytest.fixture
+def name(request: pytest.FixtureRequest) -> str:
+    """A lock name no other test uses, so leases left by one test never meet another."""
+    return f"t:{request.node.name}:{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_threads() -> Iterator[None]:
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    leaked = [
+        t
+        for t in threading.enumerate()
+        if t.ident not in before and t.name != "django-dlock-watchdog" and t.is_alive()
+    ]
+    for t in leaked:
+        t.join(timeout=5)
+    assert not [t for t in leaked if t.is_alive()], f"threads left running: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
+    """Let Django drop the PostgreSQL test database.
+
+    The watchdog thread and test threads keep their own connections open;
+    PostgreSQL refuses DROP DATABASE while any session uses it.
+    """
+    yield
+    from django.db import connections
+
+    with django_db_blocker.unblock():
+        for connection in connections.all():
+            if connection.vendor != "postgresql":
+                continue
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )

@@ -1,0 +1,53 @@
+"""A worker process for the multi-process tests.
+
+Configures Django from DLOCK_MP_CONFIG (JSON), waits for the start file so all
+workers begin together, then runs critical sections that read-modify-write an
+unguarded counter file, and writes (counter value read, fencing token) pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    config = json.loads(os.environ["DLOCK_MP_CONFIG"])
+    import django
+    from django.conf import settings
+
+    settings.configure(
+        DATABASES=config["databases"],
+        INSTALLED_APPS=["django_dlock"],
+        DLOCK_BACKENDS={"default": config["backend"]},
+        USE_TZ=True,
+    )
+    django.setup()
+    from django_dlock import lock
+
+    counter_fd = os.open(config["counter"], os.O_RDWR)
+    width = config["width"]
+
+    def increment() -> int:
+        value = int(os.pread(counter_fd, width, 0))
+        time.sleep(config["hold"])
+        os.pwrite(counter_fd, str(value + 1).zfill(width).encode(), 0)
+        return value
+
+    while not os.path.exists(config["start"]):
+        time.sleep(0.005)
+    records = []
+    for _ in range(config["sections"]):
+        if config["use_lock"]:
+            with lock(config["name"], ttl=30, timeout=300) as held:
+                records.append((increment(), held.token))
+        else:
+            records.append((increment(), None))
+    with open(config["out"], "w") as out:
+        json.dump(records, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Settings for the test suite: the test project plus every database we support.
+
+PostgreSQL and MariaDB/MySQL are the machine's servers on loopback (override
+with DLOCK_TEST_PG_* / DLOCK_TEST_MYSQL_*). A server that does not answer is
+left out and its tests are skipped with the reason, unless
+DLOCK_REQUIRE_ALL_BACKENDS=1 (as in CI), which makes that an error.
+"""
+
+import os
+import socket
+import tempfile
+
+from testproject.settings import *  # noqa: F403
+from testproject.settings import INSTALLED_APPS
+
+INSTALLED_APPS = [*INSTALLED_APPS, "tests"]
+
+REQUIRE_ALL = os.environ.get("DLOCK_REQUIRE_ALL_BACKENDS") == "1"
+_TMP = os.environ.setdefault(
+    "DLOCK_TEST_TMP", tempfile.mkdtemp(prefix=f"dlock-tests-{os.getpid()}-")
+)
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+PG = {
+    "host": os.environ.get("DLOCK_TEST_PG_HOST", "127.0.0.1"),
+    "port": int(os.environ.get("DLOCK_TEST_PG_PORT", "5432")),
+    "user": os.environ.get("DLOCK_TEST_PG_USER", "postgres"),
+    "password": os.environ.get("DLOCK_TEST_PG_PASSWORD", ""),
+}
+MYSQL = {
+    "host": os.environ.get("DLOCK_TEST_MYSQL_HOST", "127.0.0.1"),
+    "port": int(os.environ.get("DLOCK_TEST_MYSQL_PORT", "3306")),
+    "user": os.environ.get("DLOCK_TEST_MYSQL_USER", "root"),
+    "password": os.environ.get("DLOCK_TEST_MYSQL_PASSWORD", ""),
+}
+
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.path.join(_TMP, "dlock.sqlite3"),
+        # A file, not Django's in-memory test database: the multi-process
+        # tests open it from other processes.
+        "TEST": {"NAME": os.path.join(_TMP, "test_dlock.sqlite3")},
+        "OPTIONS": {"timeout": 30},
+    },
+}
+
+#: alias in DLOCK_BACKENDS -> why its tests are skipped
+UNAVAILABLE_BACKENDS: dict[str, str] = {}
+
+if _reachable(PG["host"], PG["port"]):
+    DATABASES["postgresql"] = {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": "dlock",
+        "HOST": PG["host"],
+        "PORT": PG["port"],
+        "USER": PG["user"],
+        "PASSWORD": PG["password"],
+        "TEST": {"NAME": f"test_dlock_{os.getpid()}"},
+    }
+else:
+    UNAVAILABLE_BACKENDS["db-postgresql"] = (
+        f"PostgreSQL is not reachable at {PG['host']}:{PG['port']} (set DLOCK_TEST_PG_HOST/PORT)"
+    )
+
+if _reachable(MYSQL["host"], MYSQL["port"]):
+    DATABASES["mysql"] = {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": "dlock",
+        "HOST": MYSQL["host"],
+        "PORT": MYSQL["port"],
+        "USER": MYSQL["user"],
+        "PASSWORD": MYSQL["password"],
+        "OPTIONS": {"charset": "utf8mb4"},
+        "TEST": {"NAME": f"test_dlock_{os.getpid()}", "CHARSET": "utf8mb4"},
+    }
+else:
+    UNAVAILABLE_BACKENDS["db-mysql"] = (
+        f"MariaDB/MySQL is not reachable at {MYSQL['host']}:{MYSQL['port']} "
+        "(set DLOCK_TEST_MYSQL_HOST/PORT)"
+    )
+
+if REQUIRE_ALL and UNAVAILABLE_BACKENDS:
+    raise RuntimeError(
+        "DLOCK_REQUIRE_ALL_BACKENDS=1 but: " + "; ".join(UNAVAILABLE_BACKENDS.values())
+    )
+
+_DB = "django_dlock.backends.database.DatabaseBackend"
+DLOCK_BACKENDS = {
+    "default": {"BACKEND": _DB},
+    "locmem": {"BACKEND": "django_dlock.backends.locmem.LocMemBackend"},
+    "db-sqlite": {"BACKEND": _DB, "OPTIONS": {"database": "default"}},
+}
+if "postgresql" in DATABASES:
+    DLOCK_BACKENDS["db-postgresql"] = {"BACKEND": _DB, "OPTIONS": {"database": "postgresql"}}
+if "mysql" in DATABASES:
+    DLOCK_BACKENDS["db-mysql"] = {"BACKEND": _DB, "OPTIONS": {"database": "mysql"}}
+
+#: conformance alias -> the DATABASES alias its tests need (None: no database)
+CONFORMANCE_BACKENDS = {
+    "locmem": None,
+    "db-sqlite": "default",
+    "db-postgresql": "postgresql",
+    "db-mysql": "mysql",
+}

@@ -1,0 +1,199 @@
+"""The public API's contract: argument checking, the Lock object, decorators, async."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+import django_dlock
+from django_dlock import HeldLock, Lock, LockTimeout, lock, locks
+
+pytestmark = pytest.mark.backends("locmem")
+
+
+def test_public_names() -> None:
+    from django_dlock import DLockError, LockLost, LockTimeout, lock, locks  # noqa: F401
+
+    for name in django_dlock.__all__:
+        assert hasattr(django_dlock, name), name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"ttl": 0}, ValueError, "ttl"),
+        ({"ttl": -5}, ValueError, "ttl"),
+        ({"ttl": float("nan")}, ValueError, "ttl"),
+        ({"ttl": float("inf")}, ValueError, "leases always expire"),
+        ({"ttl": "30"}, TypeError, "ttl"),
+        ({"ttl": True}, TypeError, "ttl"),
+        ({"timeout": -1}, ValueError, "timeout"),
+        ({"timeout": "5"}, TypeError, "timeout"),
+        ({"backend": 3}, TypeError, "backend"),
+        ({"metadata": {"when": object()}}, TypeError, "JSON"),
+        ({"metadata": ["not", "a", "dict"]}, TypeError, "metadata"),
+    ],
+)
+def test_bad_arguments_are_refused_up_front(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        lock("x", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"), [("", ValueError), (None, TypeError), (b"x", TypeError)]
+)
+def test_bad_names(bad: Any, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        lock(bad)
+    with pytest.raises(error):
+        locks["locmem"].break_lock(bad)
+
+
+def test_infinite_timeout_means_wait_forever() -> None:
+    assert lock("x", timeout=float("inf")).timeout is None
+
+
+def test_acquire_by_hand_and_release_through_the_lock(backend_alias: str, name: str) -> None:
+    the_lock = lock(name, backend=backend_alias)
+    held = the_lock.acquire()
+    assert isinstance(held, HeldLock)
+    the_lock.release()
+    assert held.released
+    with pytest.raises(RuntimeError, match="not acquired"):
+        the_lock.release()
+
+
+def test_acquire_timeout_overrides(backend_alias: str, name: str) -> None:
+    with lock(name, backend=backend_alias):
+        with pytest.raises(LockTimeout):
+            lock(name, backend=backend_alias, timeout=None).acquire(timeout=0)
+
+
+def test_one_lock_object_shared_by_threads(backend_alias: str, name: str) -> None:
+    shared = lock(name, backend=backend_alias, timeout=30)
+    tokens: list[int] = []
+    guard = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(10):
+            with shared as held:
+                with guard:
+                    tokens.append(held.token)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(set(tokens)) == 30
+
+
+def test_held_lock_is_a_context_manager(backend_alias: str, name: str) -> None:
+    with lock(name, backend=backend_alias).acquire() as held:
+        assert not held.released
+    assert held.released
+
+
+def test_held_lock_cannot_be_built_by_hand() -> None:
+    with pytest.raises(TypeError):
+        HeldLock()
+
+
+def test_decorator_template_must_name_parameters() -> None:
+    with pytest.raises(ValueError, match="account_id"):
+
+        @lock("sync:{account_id}")
+        def sync(user_id: int) -> None: ...
+
+    with pytest.raises(ValueError, match="name arguments"):
+
+        @lock("sync:{}")
+        def sync2(user_id: int) -> None: ...
+
+
+def test_decorator_uses_defaults_attributes_and_kwargs(backend_alias: str, name: str) -> None:
+    keys: list[str] = []
+
+    class Invoice:
+        pk = 42
+
+    @lock(name + ":{invoice.pk}:{mode}:{extra}", backend=backend_alias)
+    def regenerate(invoice: Invoice, mode: str = "full", **kwargs: Any) -> None:
+        keys.extend(i.name for i in locks[backend_alias].list(name))
+
+    regenerate(Invoice(), extra="yes")
+    assert keys == [f"{name}:42:full:yes"]
+
+
+def test_decorator_literal_braces(backend_alias: str, name: str) -> None:
+    keys: list[str] = []
+
+    @lock(name + ":{{literal}}", backend=backend_alias)
+    def job() -> None:
+        keys.extend(i.name for i in locks[backend_alias].list(name))
+
+    job()
+    assert keys == [f"{name}:{{literal}}"]
+
+
+def test_decorated_function_releases_on_exception(backend_alias: str, name: str) -> None:
+    @lock(name, backend=backend_alias)
+    def fails() -> None:
+        raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        fails()
+    assert locks[backend_alias].list(name) == []
+
+
+def test_async_with(backend_alias: str, name: str) -> None:
+    async def main() -> tuple[int, list[str]]:
+        async with lock(name, backend=backend_alias) as held:
+            listed = [i.name for i in locks[backend_alias].list(name)]
+            return held.token, listed
+
+    token, listed = asyncio.run(main())
+    assert listed == [name]
+    assert locks[backend_alias].list(name) == []
+    assert token > 0
+
+
+def test_async_tasks_each_get_their_own_handle(backend_alias: str, name: str) -> None:
+    shared = lock(name, backend=backend_alias, timeout=30)
+    order: list[tuple[str, int]] = []
+
+    async def task(label: str) -> None:
+        async with shared as held:
+            order.append((label, held.token))
+            await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        await asyncio.gather(task("a"), task("b"), task("c"))
+
+    asyncio.run(main())
+    tokens = [t for _, t in order]
+    assert sorted({label for label, _ in order}) == ["a", "b", "c"]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3
+
+
+def test_async_decorator(backend_alias: str, name: str) -> None:
+    @lock(name + ":{n}", backend=backend_alias, timeout=0)
+    async def work(n: int) -> list[str]:
+        return [i.name for i in locks[backend_alias].list(name)]
+
+    assert asyncio.run(work(1)) == [f"{name}:1"]
+    assert locks[backend_alias].list(name) == []
+
+
+def test_lock_repr_and_backend_shortcut(backend_alias: str, name: str) -> None:
+    via_backend = locks[backend_alias].lock(name, ttl=5)
+    assert isinstance(via_backend, Lock)
+    assert via_backend.backend == backend_alias
+    with via_backend as held:
+        assert name in repr(held)
+        assert str(held.token) in repr(held)

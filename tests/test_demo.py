@@ -1,0 +1,39 @@
+"""`make demo` runs this command; keep it working and keep its claims true."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.multiprocess
+def test_demo_runs_on_the_zero_config_default(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "DLOCK_DEMO_DB": str(tmp_path / "demo.sqlite3"),
+    }
+    manage = [sys.executable, str(ROOT / "testproject" / "manage.py")]
+    subprocess.run([*manage, "migrate", "--noinput", "-v0"], env=env, check=True)
+    result = subprocess.run(
+        [*manage, "dlock_demo", "--workers", "3", "--rounds", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "DatabaseBackend on sqlite" in out
+    assert out.count("tokens strictly increasing in acquisition order: yes") == 3
+    assert "order: NO" not in out
+    assert "LockTimeout" in out
+    assert "regenerating PDF" in out and "nightly report" in out
+    assert "(no locks held)" in out
+    assert "acquired after" in out and "yes)" in out

@@ -1,0 +1,162 @@
+"""The watchdog: one thread per process, renewal at ttl/3, loss detection, fork safety."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from django_dlock import LockLost, lock, locks
+from django_dlock.backends.base import BaseLockBackend
+from django_dlock.exceptions import BackendUnavailable
+from django_dlock.signals import lock_lost
+from django_dlock.watchdog import get_watchdog
+
+
+def watchdog_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "django-dlock-watchdog"]
+
+
+def test_one_thread_renews_every_held_lease(backend_alias: str, name: str) -> None:
+    held = [lock(f"{name}:{i}", backend=backend_alias, ttl=0.6).acquire() for i in range(20)]
+    try:
+        assert len(watchdog_threads()) == 1
+        assert get_watchdog().pending() >= 20
+        time.sleep(1.5)
+        for h in held:
+            h.ensure()
+        assert len(watchdog_threads()) == 1
+    finally:
+        for h in held:
+            h.release()
+
+
+@pytest.mark.backends("locmem", "db-sqlite")
+def test_renewal_happens_at_a_third_of_the_ttl(
+    backend_alias: str, backend: BaseLockBackend, name: str, monkeypatch: Any
+) -> None:
+    renewals: list[float] = []
+    original = type(backend).do_extend
+
+    def spy(self: BaseLockBackend, n: str, owner: str, ttl: float) -> bool:
+        if n == name:
+            renewals.append(time.monotonic())
+        return original(self, n, owner, ttl)
+
+    monkeypatch.setattr(type(backend), "do_extend", spy)
+    with lock(name, backend=backend_alias, ttl=0.9):
+        started = time.monotonic()
+        time.sleep(1.0)
+    # ttl/3 = 0.3 s: by 1.0 s there have been at least two renewals, and the
+    # first came no sooner than a third of the TTL.
+    assert len(renewals) >= 2
+    assert renewals[0] - started >= 0.25
+
+
+@pytest.mark.backends("locmem")
+def test_forgotten_handle_is_not_renewed(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    lock(name, backend=backend_alias, ttl=0.4).acquire()  # the handle is dropped at once
+    gc.collect()
+    time.sleep(0.8)
+    assert backend.list(name) == []
+
+
+@pytest.mark.backends("locmem")
+def test_renewal_errors_until_expiry_mark_the_lease_lost(
+    backend_alias: str, backend: BaseLockBackend, name: str, monkeypatch: Any
+) -> None:
+    lost = threading.Event()
+    reasons: list[str] = []
+
+    def on_lost(sender: Any, **kwargs: Any) -> None:
+        if kwargs["name"] == name:
+            reasons.append(kwargs["reason"])
+            lost.set()
+
+    def unreachable(self: BaseLockBackend, n: str, owner: str, ttl: float) -> bool:
+        raise BackendUnavailable("service down", name=n, backend=self.alias)
+
+    lock_lost.connect(on_lost)
+    try:
+        held = lock(name, backend=backend_alias, ttl=0.5).acquire()
+        monkeypatch.setattr(type(backend), "do_extend", unreachable)
+        assert lost.wait(5)
+    finally:
+        lock_lost.disconnect(on_lost)
+    assert held.lost
+    assert "renewal failed" in reasons[0]
+    with pytest.raises(LockLost):
+        held.ensure()
+
+
+@pytest.mark.backends("locmem")
+def test_a_failing_lock_lost_receiver_does_not_stop_the_watchdog(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    def broken_receiver(sender: Any, **kwargs: Any) -> None:
+        raise RuntimeError("receiver bug")
+
+    lock_lost.connect(broken_receiver)
+    try:
+        first = lock(f"{name}:1", backend=backend_alias, ttl=0.3).acquire()
+        backend.break_lock(f"{name}:1")
+        deadline = time.monotonic() + 5
+        while not first.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.lost
+    finally:
+        lock_lost.disconnect(broken_receiver)
+    with lock(f"{name}:2", backend=backend_alias, ttl=0.3) as second:
+        time.sleep(0.8)
+        second.ensure()
+
+
+def test_release_stops_renewal(backend_alias: str, name: str) -> None:
+    held = lock(name, backend=backend_alias, ttl=0.6).acquire()
+    held.release()
+    with lock(name, backend=backend_alias, timeout=0):
+        time.sleep(0.5)
+    assert held.released
+
+
+def _child_watchdog_state(queue: Any) -> None:
+    queue.put((get_watchdog().pending(), get_watchdog().thread is None))
+
+
+@pytest.mark.backends("locmem")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_forked_child_does_not_renew_the_parents_leases(backend_alias: str, name: str) -> None:
+    with lock(name, backend=backend_alias, ttl=5):
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_child_watchdog_state, args=(queue,))
+        child.start()
+        pending, no_thread = queue.get(timeout=30)
+        child.join(30)
+    assert (pending, no_thread) == (0, True)
+
+
+def test_backend_shortcut_uses_the_same_watchdog(backend_alias: str, name: str) -> None:
+    held = locks[backend_alias].acquire(name, ttl=0.5)
+    try:
+        time.sleep(1.2)
+        held.ensure()
+    finally:
+        held.release()
+
+
+@pytest.mark.backends("locmem")
+def test_with_block_without_as_keeps_renewing(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    with lock(name, backend=backend_alias, ttl=0.4):
+        gc.collect()
+        time.sleep(1.0)
+        assert [i.name for i in backend.list(name)] == [name]
