@@ -18,8 +18,11 @@ Which connection runs the statements:
 - Inside ``atomic()`` on SQLite: the caller's connection, joining its
   transaction. SQLite has one writer at a time; a second connection would wait
   for the caller's own transaction and deadlock. Nobody else can write until
-  the caller commits anyway, so joining keeps mutual exclusion; a rollback
-  undoes the acquisition, and the watchdog then reports the lease lost.
+  the caller commits anyway, so joining keeps mutual exclusion. Until that
+  transaction ends, the lease is bound to the connection: renewals (from the
+  watchdog thread), checks and the release go through it too, since no other
+  connection can see or write the uncommitted row. A rollback undoes the
+  acquisition, and the next renewal then reports the lease lost.
 
 Waiting backs off exponentially with jitter (2 ms doubling to 100 ms).
 """
@@ -199,6 +202,8 @@ class DatabaseBackend(BaseLockBackend):
             )
         self._local = threading.local()
         self._statements_cache: dict[str, _Statements] = {}
+        # owner token -> the SQLite connection whose open transaction holds the lease
+        self._bound: dict[str, BaseDatabaseWrapper] = {}
 
     def check(self) -> list[checks.CheckMessage]:
         from django.conf import settings
@@ -243,7 +248,13 @@ class DatabaseBackend(BaseLockBackend):
     def _key(self, name: str) -> str:
         return hashlib.sha256(f"{self.key_prefix}\0{name}".encode()).hexdigest()
 
-    def _connection(self) -> BaseDatabaseWrapper:
+    def _connection(self, owner: str | None = None) -> BaseDatabaseWrapper:
+        if owner is not None:
+            bound = self._bound.get(owner)
+            if bound is not None:
+                if bound.in_atomic_block:
+                    return bound
+                self._unbind(owner)
         connection = connections[self.database]
         if connection.vendor == "sqlite" or not connection.in_atomic_block:
             return connection
@@ -251,6 +262,17 @@ class DatabaseBackend(BaseLockBackend):
         if private is None:
             private = self._local.connection = connections.create_connection(self.database)
         return private
+
+    def _bind(self, owner: str, connection: BaseDatabaseWrapper) -> None:
+        # The watchdog thread will use this connection; Django refuses
+        # cross-thread use unless sharing is switched on (as LiveServerThread does).
+        connection.inc_thread_sharing()
+        self._bound[owner] = connection
+
+    def _unbind(self, owner: str) -> None:
+        bound = self._bound.pop(owner, None)
+        if bound is not None:
+            bound.dec_thread_sharing()
 
     def _sql(self, connection: BaseDatabaseWrapper) -> _Statements:
         vendor = connection.vendor
@@ -271,8 +293,9 @@ class DatabaseBackend(BaseLockBackend):
         self,
         name: str,
         fn: Callable[[BaseDatabaseWrapper, _Statements, Any], T],
+        owner: str | None = None,
     ) -> T:
-        connection = self._connection()
+        connection = self._connection(owner)
         statements = self._sql(connection)
         try:
             with connection.cursor() as cursor:
@@ -312,18 +335,21 @@ class DatabaseBackend(BaseLockBackend):
         return BackendUnavailable(message, name=name, backend=self.alias)
 
     def _retry_busy(
-        self, name: str, fn: Callable[[BaseDatabaseWrapper, _Statements, Any], T]
+        self,
+        name: str,
+        fn: Callable[[BaseDatabaseWrapper, _Statements, Any], T],
+        owner: str | None = None,
     ) -> T:
         # Release, extend and break must not be dropped because another writer
         # held SQLite's lock past its busy timeout, or MySQL picked us as a
         # deadlock victim.
         for _ in range(4):
             try:
-                return self._run(name, fn)
+                return self._run(name, fn, owner)
             except _Busy:
                 continue
         try:
-            return self._run(name, fn)
+            return self._run(name, fn, owner)
         except _Busy as e:
             raise BackendUnavailable(
                 f"Database {self.database!r} stayed busy for lock {name!r}.",
@@ -340,7 +366,11 @@ class DatabaseBackend(BaseLockBackend):
             if sql.acquire_insert is None:
                 cursor.execute(sql.acquire, [digest, self.key_prefix, name, owner, ttl_us, holder])
                 row = cursor.fetchone()
-                return None if row is None else int(row[0])
+                if row is None:
+                    return None
+                if connection.vendor == "sqlite" and connection.in_atomic_block:
+                    self._bind(owner, connection)
+                return int(row[0])
             cursor.execute(sql.acquire, [owner, ttl_us, holder, digest])
             if cursor.rowcount == 1:
                 return int(cursor.lastrowid)
@@ -357,18 +387,23 @@ class DatabaseBackend(BaseLockBackend):
         except _Busy:
             return None
 
-    def _rowcount(self, name: str, statement: str, params: list[Any]) -> bool:
+    def _rowcount(
+        self, name: str, statement: str, params: list[Any], owner: str | None = None
+    ) -> bool:
         def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> bool:
             cursor.execute(getattr(sql, statement), params)
             return bool(cursor.rowcount == 1)
 
-        return self._retry_busy(name, run)
+        return self._retry_busy(name, run, owner)
 
     def do_release(self, name: str, owner: str) -> bool:
-        return self._rowcount(name, "release", [self._key(name), owner])
+        try:
+            return self._rowcount(name, "release", [self._key(name), owner], owner)
+        finally:
+            self._unbind(owner)
 
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
-        return self._rowcount(name, "extend", [_micros(ttl), self._key(name), owner])
+        return self._rowcount(name, "extend", [_micros(ttl), self._key(name), owner], owner)
 
     def do_break(self, name: str) -> bool:
         return self._rowcount(name, "break_", [self._key(name)])
@@ -378,7 +413,7 @@ class DatabaseBackend(BaseLockBackend):
             cursor.execute(sql.check, [self._key(name), owner])
             return cursor.fetchone() is not None
 
-        return self._retry_busy(name, run)
+        return self._retry_busy(name, run, owner)
 
     def do_list(self, prefix: str) -> list[LockInfo]:
         def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> list[Any]:
