@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -86,3 +87,8 @@ def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[N
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                     " WHERE datname = current_database() AND pid <> pg_backend_pid()"
                 )
+
+
+# tests/newcomer/ needs other settings; tests/test_newcomer.py runs it in its own session.
+if os.environ.get("DJANGO_SETTINGS_MODULE") != "tests.newcomer.settings":
+    collect_ignore = ["newcomer"]

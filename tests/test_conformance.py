@@ -403,3 +403,26 @@ def test_decorator_templates_key_from_arguments(
         with pytest.raises(LockTimeout):
             regenerate(7)
         assert regenerate(9) == 18
+
+
+def test_waiting_does_not_spin(
+    backend_alias: str, backend: BaseLockBackend, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attempts = 0
+    original = type(backend).do_acquire
+
+    def counting(self: BaseLockBackend, n: str, owner: str, ttl: float, holder: str) -> Any:
+        nonlocal attempts
+        if n == name:
+            attempts += 1
+        return original(self, n, owner, ttl, holder)
+
+    with lock(name, backend=backend_alias):
+        monkeypatch.setattr(type(backend), "do_acquire", counting)
+        with pytest.raises(LockTimeout):
+            lock(name, backend=backend_alias, timeout=1.0).acquire()
+    # A busy loop makes thousands of attempts a second. Backing off (2 ms
+    # doubling to 100 ms) makes under 20; being woken makes one or two.
+    assert 1 <= attempts <= 40, attempts
+    if backend.wakes_waiters:
+        assert attempts <= 3, attempts
