@@ -104,7 +104,7 @@ class HeldLock:
         self._state = _HELD
         # The lease cannot outlive sent + ttl by our clock: the service started
         # counting no earlier than we sent the request.
-        self._expires = sent + ttl
+        self._expires = sent + ttl - backend.drift(ttl)
         self._renew_enabled = renew
         self._watch_generation = 0
         if renew:
@@ -179,7 +179,7 @@ class HeldLock:
             raise self._error(LockNotOwned, "cannot be extended: the lease is gone")
         with self._mutex:
             self.ttl = ttl
-            self._expires = sent + ttl
+            self._expires = sent + ttl - self.backend.drift(ttl)
         if self._renew_enabled and self._state == _HELD:
             get_watchdog().schedule(self, ttl / 3)
 
@@ -286,7 +286,7 @@ class HeldLock:
         with self._mutex:
             if self._state != _HELD:
                 return
-            self._expires = sent + self.ttl
+            self._expires = sent + self.ttl - self.backend.drift(self.ttl)
         get_watchdog().schedule(self, self.ttl / 3)
 
 

@@ -19,9 +19,12 @@ single-attempt primitives, as redis-py's ``Lock.acquire`` delegates to
     Delete the live lease whoever holds it; return whether there was one.
 ``do_list(prefix)``
     The live leases whose names start with ``prefix``.
-``wait(name, remaining, attempt)``
+``wait(name, owner, remaining, attempt)``
     Block until the lock may have become free, at most ``remaining`` seconds.
     The default backs off with jitter; backends that can be woken override it.
+``do_abandon(name, owner)``
+    The waiter ``owner`` gives up (timeout or error): leave any queue it
+    joined. The default does nothing.
 
 Capabilities are declared as class attributes, and the conformance suite
 skips, with the reason, what a backend declares it cannot do.
@@ -30,6 +33,7 @@ skips, with the reason, what a backend declares it cannot do.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -48,6 +52,8 @@ from .. import conf
 from ..exceptions import InvalidLockOption, InvalidTTL, LockConfigurationError, LockTimeout
 from ..lock import HeldLock
 from ..signals import lock_broken
+
+logger = logging.getLogger("django_dlock")
 
 #: Backoff of the default ``wait()``: first sleep, growth factor and ceiling (seconds).
 BACKOFF_FIRST = 0.002
@@ -149,6 +155,11 @@ class BaseLockBackend:
     shared_across_processes: ClassVar[bool] = True
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
     allowed_options: ClassVar[frozenset[str]] = frozenset()
+    #: Fraction of the TTL (plus ``clock_drift_floor`` seconds) by which the
+    #: service's clock may run ahead of ours; a handle treats its lease as
+    #: gone that much earlier. Redlock uses it for its validity time.
+    clock_drift_factor: ClassVar[float] = 0.0
+    clock_drift_floor: ClassVar[float] = 0.0
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         self.alias = alias
@@ -210,7 +221,10 @@ class BaseLockBackend:
     def do_list(self, prefix: str) -> list[LockInfo]:
         raise NotImplementedError
 
-    def wait(self, name: str, remaining: float | None, attempt: int) -> None:
+    def do_abandon(self, name: str, owner: str) -> None:
+        """Leave whatever queue ``owner`` joined while waiting for ``name``."""
+
+    def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
         """Sleep an exponentially growing, jittered interval, never past the deadline."""
         ceiling = min(BACKOFF_CEILING, BACKOFF_FIRST * BACKOFF_FACTOR**attempt)
         delay = random.uniform(ceiling / 2, ceiling)
@@ -246,21 +260,40 @@ class BaseLockBackend:
         holder_json = dump_holder(holder)
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
-        while True:
-            sent = time.monotonic()
-            token = self.do_acquire(name, owner, ttl, holder_json)
-            if token is not None:
-                return HeldLock._granted(self, name, owner, token, ttl, sent, holder, renew)
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise LockTimeout(
-                    f"Could not acquire lock {name!r} on backend {self.alias!r} "
-                    f"within {timeout:g}s.",
-                    name=name,
-                    backend=self.alias,
-                )
-            self.wait(name, remaining, attempt)
-            attempt += 1
+        refused = False
+        try:
+            while True:
+                sent = time.monotonic()
+                token = self.do_acquire(name, owner, ttl, holder_json)
+                if token is not None:
+                    break
+                refused = True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise LockTimeout(
+                        f"Could not acquire lock {name!r} on backend {self.alias!r} "
+                        f"within {timeout:g}s.",
+                        name=name,
+                        backend=self.alias,
+                    )
+                self.wait(name, owner, remaining, attempt)
+                attempt += 1
+        except BaseException:
+            if refused:
+                self._abandon_quietly(name, owner)
+            raise
+        return HeldLock._granted(self, name, owner, token, ttl, sent, holder, renew)
+
+    def drift(self, ttl: float) -> float:
+        """Seconds of a ``ttl`` lease that a holder must not count on."""
+        return ttl * self.clock_drift_factor + self.clock_drift_floor
+
+    def _abandon_quietly(self, name: str, owner: str) -> None:
+        try:
+            self.do_abandon(name, owner)
+        except Exception:
+            # The queue entry expires on its own; the caller's error matters more.
+            logger.warning("Could not leave the wait queue of %r on %r", name, self.alias)
 
     def lock(self, name: str, **kwargs: Any) -> Any:
         """``lock(name, backend=<this alias>, **kwargs)``."""

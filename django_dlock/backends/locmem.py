@@ -136,7 +136,7 @@ class LocMemBackend(BaseLockBackend):
                 )
         return infos
 
-    def wait(self, name: str, remaining: float | None, attempt: int) -> None:
+    def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
         """Sleep until a release or break is signalled, or the holder's lease runs out."""
         with self._store.cond:
             now = time.monotonic()
