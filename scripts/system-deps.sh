@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Install and start what the test suite needs from the system, if it is missing:
 #   - headers to build mysqlclient (the MariaDB/MySQL driver Django supports);
+#   - redis-server and redis-cli, which the Redis tests run themselves;
 #   - PostgreSQL and MariaDB answering on loopback.
 # Idempotent: on a machine that has everything it only checks.
 set -euo pipefail
 
 need_apt=()
 pkg-config --exists mysqlclient 2>/dev/null || need_apt+=(default-libmysqlclient-dev pkg-config build-essential)
+# The Redis tests start their own redis-server processes (single node, cluster, Redlock).
+command -v redis-server >/dev/null || need_apt+=(redis-server)
+command -v redis-cli >/dev/null || need_apt+=(redis-tools)
 
 if ((${#need_apt[@]})); then
     if [[ $(id -u) -ne 0 ]]; then

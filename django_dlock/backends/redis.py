@@ -1,0 +1,686 @@
+"""The Redis backend: one round trip per operation, fenced, woken on release.
+
+Settings::
+
+    "BACKEND": "django_dlock.backends.redis.RedisBackend",
+    "LOCATION": "redis://:password@127.0.0.1:6379/0",   # or rediss://, unix://
+    "OPTIONS": {"fair": True},
+
+``LOCATION`` may instead be a list of URLs of independent masters: Redlock
+(see ``docs/backends/redis.md`` for what that does and does not guarantee).
+``OPTIONS``:
+
+- ``fair``: serve waiters first come, first served (default False).
+- ``cluster``: ``LOCATION`` is a node of a Redis Cluster (default False).
+- ``connection``: ``"django-redis:<cache alias>"`` reuses that cache's
+  connection pool instead of ``LOCATION``.
+- ``shards``: how many hash slots the index is spread over (default 1; 16
+  with ``cluster``).
+- ``socket_timeout``, ``socket_connect_timeout``: seconds (default 5 and 2).
+- ``client_kwargs``: more keyword arguments for the redis-py client (TLS
+  files, ``username``, ``password``, ...).
+
+Key layout, for ``KEY_PREFIX`` P, shard s (``crc32(name) % shards``) and lock
+name N. Every key of a shard carries the hash tag ``{Pdlock:s}``, so a lock's
+keys always share one Redis Cluster slot::
+
+    {Pdlock:s}:lock:N     string  the holder's owner token, with the lease as its PX expiry
+    {Pdlock:s}:fence      hash    N -> last fencing token issued (never expires)
+    {Pdlock:s}:meta       hash    N -> "token:acquired_us:holder JSON"
+    {Pdlock:s}:idx        zset    N with score 0: the index that list() reads by prefix
+    {Pdlock:s}:wake:N     list    a release pushes one element: wakes one waiter (not fair)
+    {Pdlock:s}:q:N        list    waiters' owner tokens in arrival order (fair)
+    {Pdlock:s}:qt:N       zset    waiter -> deadline in ms by the server clock (fair)
+    {Pdlock:s}:sig:W      list    a release pushes here to wake waiter W (fair)
+
+So ``redis-cli GET '{dlock:0}:lock:report:daily'`` shows who holds
+``report:daily`` and ``redis-cli PTTL`` for how much longer.
+
+Fencing tokens are ``max(previous + 1, server clock in microseconds)``, so a
+Redis restarted without its data (or with an older snapshot) still issues
+tokens larger than any it issued before, as long as fewer than one token per
+microsecond was issued for a name on average.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.core import checks
+
+from ..exceptions import BackendUnavailable, LockConfigurationError
+from .base import BaseLockBackend, LockInfo, load_holder, micros_to_datetime
+
+try:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import RedisCluster
+    from redis.commands.core import Script
+    from redis.exceptions import RedisError
+    from redis.retry import Retry
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "The Redis lock backend needs redis-py: pip install 'django-dlock[redis]'"
+    ) from e
+
+#: Longest single blocking wait; waiters re-check at least this often.
+WAIT_CAP = 1.0
+#: A fair waiter that has not re-checked for this long is presumed dead and
+#: dropped from the queue. Must exceed WAIT_CAP comfortably.
+WAITER_LEASE_MS = 3000
+#: How long a wake-up element survives if nobody pops it.
+SIGNAL_TTL_MS = 2000
+
+# Shared by the scripts below: the server clock in microseconds.
+_NOW_US = """
+local now_t = redis.call('time')
+local now_us = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
+"""
+
+# Shared: pop waiters whose deadline passed off the head of the fair queue and
+# return the live head (or false). KEYS[q] is the queue, KEYS[qt] the deadlines.
+_LIVE_HEAD = """
+local function live_head(q, qt, now_ms)
+    while true do
+        local head = redis.call('lindex', q, 0)
+        if not head then return false end
+        local deadline = redis.call('zscore', qt, head)
+        if deadline and tonumber(deadline) > now_ms then return head end
+        redis.call('lpop', q)
+        redis.call('zrem', qt, head)
+    end
+end
+"""
+
+# Shared: wake whoever should try next. Fair: push to the live head's own
+# signal list. Not fair: leave one element in the lock's wake list (one
+# waiter's BLPOP takes it; if nobody waits it expires).
+# ARGV[sigprefix] is "{tag}:sig:", fair is "1" or "".
+_WAKE = """
+local function wake(fair, q, qt, wake_list, sigprefix, now_ms)
+    if fair == '1' then
+        local head = live_head(q, qt, now_ms)
+        if head then
+            local sig = sigprefix .. head
+            redis.call('rpush', sig, 1)
+            redis.call('pexpire', sig, SIGNAL_TTL_MS)
+        end
+    else
+        if redis.call('llen', wake_list) == 0 then redis.call('rpush', wake_list, 1) end
+        redis.call('pexpire', wake_list, SIGNAL_TTL_MS)
+    end
+end
+""".replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
+
+# Acquire: one attempt, one round trip.
+# KEYS[1] lock, KEYS[2] fence hash, KEYS[3] meta hash, KEYS[4] index zset,
+# KEYS[5] fair queue list, KEYS[6] fair queue deadlines zset
+# ARGV[1] owner token, ARGV[2] ttl ms, ARGV[3] lock name, ARGV[4] holder JSON,
+# ARGV[5] "1" for fair, ARGV[6] waiter lease ms
+# Returns the new fencing token (> 0), or -(holder's PTTL + 1) when refused
+# (-1 when the lock is free but an earlier waiter is first in line).
+ACQUIRE = (
+    _NOW_US
+    + _LIVE_HEAD
+    + """
+if ARGV[5] == '1' then
+    local now_ms = math.floor(now_us / 1000)
+    local head = live_head(KEYS[5], KEYS[6], now_ms)
+    local pttl = redis.call('pttl', KEYS[1])
+    if pttl ~= -2 or (head and head ~= ARGV[1]) then
+        if redis.call('zadd', KEYS[6], now_ms + tonumber(ARGV[6]), ARGV[1]) == 1 then
+            redis.call('rpush', KEYS[5], ARGV[1])
+        end
+        redis.call('pexpire', KEYS[5], 2 * tonumber(ARGV[6]))
+        redis.call('pexpire', KEYS[6], 2 * tonumber(ARGV[6]))
+        return -(math.max(pttl, 0) + 1)
+    end
+    if head then
+        redis.call('lpop', KEYS[5])
+        redis.call('zrem', KEYS[6], ARGV[1])
+    end
+    redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+elseif not redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return -(math.max(redis.call('pttl', KEYS[1]), 0) + 1)
+end
+local token = math.max(tonumber(redis.call('hget', KEYS[2], ARGV[3]) or 0) + 1, now_us)
+local token_s = string.format('%d', token)
+redis.call('hset', KEYS[2], ARGV[3], token_s)
+local meta = token_s .. ':' .. string.format('%d', now_us) .. ':' .. ARGV[4]
+redis.call('hset', KEYS[3], ARGV[3], meta)
+redis.call('zadd', KEYS[4], 0, ARGV[3])
+return token
+"""
+)
+
+# Release: compare the owner, delete, drop the index entry, wake the next waiter.
+# KEYS[1] lock, KEYS[2] meta hash, KEYS[3] index zset, KEYS[4] wake list,
+# KEYS[5] fair queue, KEYS[6] fair queue deadlines
+# ARGV[1] owner token, ARGV[2] lock name, ARGV[3] "1" for fair, ARGV[4] signal key prefix
+# Returns 1 if ARGV[1] held the lock, else 0.
+RELEASE = (
+    _NOW_US
+    + _LIVE_HEAD
+    + _WAKE
+    + """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('del', KEYS[1])
+redis.call('hdel', KEYS[2], ARGV[2])
+redis.call('zrem', KEYS[3], ARGV[2])
+wake(ARGV[3], KEYS[5], KEYS[6], KEYS[4], ARGV[4], math.floor(now_us / 1000))
+return 1
+"""
+)
+
+# Extend: compare the owner, then the lease runs ARGV[2] ms from now.
+# KEYS[1] lock; ARGV[1] owner token, ARGV[2] ttl ms
+# Returns 1 if ARGV[1] held the lock, else 0.
+EXTEND = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('pexpire', KEYS[1], ARGV[2])
+return 1
+"""
+
+# Break: delete whoever holds it and wake the next waiter. Same KEYS as RELEASE;
+# ARGV[1] lock name, ARGV[2] "1" for fair, ARGV[3] signal key prefix.
+# Returns 1 if the lock was held, else 0.
+BREAK = (
+    _NOW_US
+    + _LIVE_HEAD
+    + _WAKE
+    + """
+local held = redis.call('del', KEYS[1])
+redis.call('hdel', KEYS[2], ARGV[1])
+redis.call('zrem', KEYS[3], ARGV[1])
+if held == 1 then
+    wake(ARGV[2], KEYS[5], KEYS[6], KEYS[4], ARGV[3], math.floor(now_us / 1000))
+end
+return held
+"""
+)
+
+# Abandon: a fair waiter gives up. Leave the queue, drop its signal list, and
+# if the lock is free pass the turn on so the queue does not stall.
+# KEYS[1] lock, KEYS[2] fair queue, KEYS[3] fair queue deadlines, KEYS[4] the
+# waiter's signal list; ARGV[1] owner token (waiter id), ARGV[2] signal key prefix
+# Returns the number of queue entries removed.
+ABANDON = (
+    _NOW_US
+    + _LIVE_HEAD
+    + _WAKE
+    + """
+local removed = redis.call('lrem', KEYS[2], 0, ARGV[1])
+redis.call('zrem', KEYS[3], ARGV[1])
+redis.call('del', KEYS[4])
+if redis.call('exists', KEYS[1]) == 0 then
+    wake('1', KEYS[2], KEYS[3], '', ARGV[2], math.floor(now_us / 1000))
+end
+return removed
+"""
+)
+
+# List one shard: the index entries in a lexicographic range whose lock is
+# still live, dropping entries whose lease expired. The lock keys are built
+# from ARGV[3]; they carry the shard's hash tag, so they are in this slot.
+# KEYS[1] index zset, KEYS[2] meta hash
+# ARGV[1], ARGV[2] the ZRANGEBYLEX bounds, ARGV[3] lock key prefix "{tag}:lock:"
+# Returns {now_us, name1, meta1, pttl1, name2, ...}.
+LIST = (
+    _NOW_US
+    + """
+local out = {string.format('%d', now_us)}
+for _, name in ipairs(redis.call('zrangebylex', KEYS[1], ARGV[1], ARGV[2])) do
+    local pttl = redis.call('pttl', ARGV[3] .. name)
+    if pttl == -2 then
+        redis.call('zrem', KEYS[1], name)
+        redis.call('hdel', KEYS[2], name)
+    elseif pttl > 0 then
+        out[#out + 1] = name
+        out[#out + 1] = redis.call('hget', KEYS[2], name) or ''
+        out[#out + 1] = pttl
+    end
+end
+return out
+"""
+)
+
+
+@dataclass(frozen=True)
+class _Keys:
+    lock: str
+    fence: str
+    meta: str
+    index: str
+    wake: str
+    queue: str
+    queue_deadlines: str
+    signal_prefix: str
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _lex_range(prefix: str) -> tuple[str, str]:
+    if not prefix:
+        return "-", "+"
+    # Names are UTF-8, which never contains byte 0xFF: every name starting
+    # with the prefix sorts below prefix + 0xFF.
+    return "[" + prefix, "(" + prefix + "\udcff"
+
+
+class _Node:
+    """One Redis deployment (a server, or a cluster) and its scripts."""
+
+    def __init__(self, client: Any, label: str) -> None:
+        self.client = client
+        self.label = label
+        self.acquire = Script(client, ACQUIRE)
+        self.release = Script(client, RELEASE)
+        self.extend = Script(client, EXTEND)
+        self.break_ = Script(client, BREAK)
+        self.abandon = Script(client, ABANDON)
+        self.list = Script(client, LIST)
+
+
+class RedisBackend(BaseLockBackend):
+    """Leases in Redis; see the module docstring for the key layout and scripts."""
+
+    wakes_waiters = True
+    allowed_options = frozenset(
+        {
+            "fair",
+            "cluster",
+            "connection",
+            "shards",
+            "socket_timeout",
+            "socket_connect_timeout",
+            "client_kwargs",
+        }
+    )
+
+    def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
+        super().__init__(alias, params)
+        if "{" in self.key_prefix or "}" in self.key_prefix:
+            raise LockConfigurationError(
+                f"Lock backend {alias!r}: KEY_PREFIX must not contain braces; they would "
+                "change the keys' Redis Cluster hash tag.",
+                alias=alias,
+            )
+        options = self.options
+        self.fair = self._bool_option("fair")
+        self.cluster = self._bool_option("cluster")
+        self.connection_spec = options.get("connection")
+        self.socket_timeout = self._number_option("socket_timeout", 5.0)
+        self.socket_connect_timeout = self._number_option("socket_connect_timeout", 2.0)
+        self.client_kwargs = options.get("client_kwargs") or {}
+        if not isinstance(self.client_kwargs, Mapping):
+            raise LockConfigurationError(
+                f"Lock backend {alias!r}: OPTIONS['client_kwargs'] must be a dict.", alias=alias
+            )
+        locations = self._locations()
+        self.redlock = len(locations) > 1
+        if self.redlock and (self.fair or self.cluster):
+            raise LockConfigurationError(
+                f"Lock backend {alias!r}: a list of LOCATIONs is Redlock over independent "
+                "masters; it cannot be combined with 'fair' or 'cluster'.",
+                alias=alias,
+            )
+        self.locations = locations
+        self.quorum = len(locations) // 2 + 1
+        shards = options.get("shards", 16 if self.cluster else 1)
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise LockConfigurationError(
+                f"Lock backend {alias!r}: OPTIONS['shards'] must be a positive int.", alias=alias
+            )
+        self.shards = shards
+        self._blocking_cap = min(WAIT_CAP, self.socket_timeout * 0.8)
+        self._nodes: list[_Node] | None = None
+        self._mutex = threading.Lock()
+        self._local = threading.local()
+        self._tags = [f"{{{self.key_prefix}dlock:{s}}}" for s in range(shards)]
+
+    # --- configuration ----------------------------------------------------------------
+
+    def _bool_option(self, key: str) -> bool:
+        value = self.options.get(key, False)
+        if not isinstance(value, bool):
+            raise LockConfigurationError(
+                f"Lock backend {self.alias!r}: OPTIONS[{key!r}] must be True or False.",
+                alias=self.alias,
+            )
+        return value
+
+    def _number_option(self, key: str, default: float) -> float:
+        value = self.options.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise LockConfigurationError(
+                f"Lock backend {self.alias!r}: OPTIONS[{key!r}] must be a positive number.",
+                alias=self.alias,
+            )
+        return float(value)
+
+    def _locations(self) -> list[str]:
+        location = self.location
+        if self.connection_spec is not None:
+            spec = self.connection_spec
+            if not (isinstance(spec, str) and spec.startswith("django-redis:") and spec[13:]):
+                raise LockConfigurationError(
+                    f"Lock backend {self.alias!r}: OPTIONS['connection'] must look like "
+                    "'django-redis:<cache alias>'.",
+                    alias=self.alias,
+                )
+            if location is not None:
+                raise LockConfigurationError(
+                    f"Lock backend {self.alias!r}: give either LOCATION or "
+                    "OPTIONS['connection'], not both.",
+                    alias=self.alias,
+                )
+            return [spec]
+        if isinstance(location, str):
+            locations = [location]
+        elif isinstance(location, Sequence) and location and not isinstance(location, bytes):
+            locations = list(location)
+        else:
+            raise LockConfigurationError(
+                f"Lock backend {self.alias!r}: LOCATION must be a redis:// URL or a list of "
+                "them (Redlock).",
+                alias=self.alias,
+            )
+        for url in locations:
+            if not isinstance(url, str) or url.split("://", 1)[0] not in (
+                "redis",
+                "rediss",
+                "unix",
+            ):
+                raise LockConfigurationError(
+                    f"Lock backend {self.alias!r}: {url!r} is not a redis://, rediss:// or "
+                    "unix:// URL.",
+                    alias=self.alias,
+                )
+        return locations
+
+    def drift(self, ttl: float) -> float:
+        """Redlock: the masters' clocks may drift; count on 1 % less, minus 2 ms."""
+        return ttl * 0.01 + 0.002 if self.redlock else 0.0
+
+    def check(self) -> list[checks.CheckMessage]:
+        if self.redlock and len(self.locations) % 2 == 0:
+            return [
+                checks.Warning(
+                    f"Lock backend {self.alias!r}: Redlock over an even number of masters "
+                    f"({len(self.locations)}) tolerates no more failures than one fewer.",
+                    id="django_dlock.W001",
+                )
+            ]
+        return []
+
+    # --- connections ------------------------------------------------------------------
+
+    def _client_for(self, location: str) -> Any:
+        if location.startswith("django-redis:"):
+            from django_redis import get_redis_connection
+
+            client = get_redis_connection(location[13:])
+            pool_timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+            if pool_timeout:
+                # A blocking wait must end before that pool's socket gives up.
+                self._blocking_cap = min(self._blocking_cap, pool_timeout * 0.8)
+            return client
+        kwargs: dict[str, Any] = {
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": self.socket_connect_timeout,
+            "health_check_interval": 30,
+        }
+        if self.redlock:
+            # A master that is down must cost one refused connection, not retries.
+            kwargs["retry"] = Retry(NoBackoff(), 0)
+        else:
+            kwargs["retry"] = Retry(NoBackoff(), 1)
+        kwargs.update(self.client_kwargs)
+        if self.cluster:
+            return RedisCluster.from_url(location, **kwargs)
+        return redis.Redis.from_url(location, **kwargs)
+
+    @property
+    def nodes(self) -> list[_Node]:
+        nodes = self._nodes
+        if nodes is None:
+            with self._mutex:
+                if self._nodes is None:
+                    self._nodes = [
+                        _Node(self._client_for(location), location) for location in self.locations
+                    ]
+                nodes = self._nodes
+        return nodes
+
+    def close(self) -> None:
+        with self._mutex:
+            nodes, self._nodes = self._nodes, None
+        for node in nodes or ():
+            if not node.label.startswith("django-redis:"):
+                node.client.close()
+
+    def _unavailable(self, name: str, error: Exception, node: _Node) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"Redis at {node.label} failed for lock {name!r} on backend {self.alias!r}: {error}",
+            name=name,
+            backend=self.alias,
+        )
+
+    # --- keys -------------------------------------------------------------------------
+
+    def _keys(self, name: str) -> _Keys:
+        tag = self._tags[zlib.crc32(name.encode()) % self.shards if self.shards > 1 else 0]
+        return _Keys(
+            lock=f"{tag}:lock:{name}",
+            fence=f"{tag}:fence",
+            meta=f"{tag}:meta",
+            index=f"{tag}:idx",
+            wake=f"{tag}:wake:{name}",
+            queue=f"{tag}:q:{name}",
+            queue_deadlines=f"{tag}:qt:{name}",
+            signal_prefix=f"{tag}:sig:",
+        )
+
+    # --- running a script on one node or a quorum -------------------------------------
+
+    def _on_each(self, name: str, call: Any) -> list[Any]:
+        """Run ``call(node)`` on every node; an exception is recorded as the result."""
+        results: list[Any] = []
+        for node in self.nodes:
+            try:
+                results.append(call(node))
+            except RedisError as e:
+                results.append(self._unavailable(name, e, node))
+        return results
+
+    def _single(self, name: str, call: Any) -> Any:
+        node = self.nodes[0]
+        try:
+            return call(node)
+        except RedisError as e:
+            raise self._unavailable(name, e, node) from e
+
+    def _quorum_bool(self, name: str, call: Any) -> bool:
+        if not self.redlock:
+            return bool(self._single(name, call))
+        results = self._on_each(name, call)
+        errors = [r for r in results if isinstance(r, BackendUnavailable)]
+        if len(errors) > len(results) - self.quorum:
+            raise errors[0]
+        return sum(1 for r in results if r is not None and not isinstance(r, Exception) and r) >= (
+            self.quorum
+        )
+
+    # --- primitives -------------------------------------------------------------------
+
+    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | None:
+        k = self._keys(name)
+        ttl_ms = _ms(ttl)
+        keys = [k.lock, k.fence, k.meta, k.index, k.queue, k.queue_deadlines]
+        args = [owner, ttl_ms, name, holder, "1" if self.fair else "", WAITER_LEASE_MS]
+        if not self.redlock:
+            result = int(self._single(name, lambda node: node.acquire(keys, args)))
+            if result > 0:
+                return result
+            self._local.holder_pttl_ms = -result - 1
+            return None
+        started = time.monotonic()
+        results = self._on_each(name, lambda node: node.acquire(keys, args))
+        errors = [r for r in results if isinstance(r, BackendUnavailable)]
+        tokens = [int(r) for r in results if not isinstance(r, Exception) and int(r) > 0]
+        validity = ttl - (time.monotonic() - started) - self.drift(ttl)
+        if len(tokens) >= self.quorum and validity > 0:
+            return max(tokens)
+        # Failed: undo everywhere (compare-and-delete is safe where we did not get it).
+        self._on_each(
+            name,
+            lambda node: node.release(
+                [k.lock, k.meta, k.index, k.wake, k.queue, k.queue_deadlines],
+                [owner, name, "", k.signal_prefix],
+            ),
+        )
+        if len(errors) > len(results) - self.quorum:
+            raise errors[0]
+        refusals = [-int(r) - 1 for r in results if not isinstance(r, Exception) and int(r) < 0]
+        self._local.holder_pttl_ms = min(refusals) if refusals else 0
+        return None
+
+    def do_release(self, name: str, owner: str) -> bool:
+        k = self._keys(name)
+        keys = [k.lock, k.meta, k.index, k.wake, k.queue, k.queue_deadlines]
+        args = [owner, name, "1" if self.fair else "", k.signal_prefix]
+        return self._quorum_bool(name, lambda node: node.release(keys, args))
+
+    def do_extend(self, name: str, owner: str, ttl: float) -> bool:
+        k = self._keys(name)
+        ttl_ms = _ms(ttl)
+        return self._quorum_bool(name, lambda node: node.extend([k.lock], [owner, ttl_ms]))
+
+    def do_check(self, name: str, owner: str) -> bool:
+        lock_key = self._keys(name).lock
+        return self._quorum_bool(
+            name, lambda node: node.client.get(lock_key) in (owner, owner.encode())
+        )
+
+    def do_break(self, name: str) -> bool:
+        k = self._keys(name)
+        keys = [k.lock, k.meta, k.index, k.wake, k.queue, k.queue_deadlines]
+        args = [name, "1" if self.fair else "", k.signal_prefix]
+        if not self.redlock:
+            return bool(self._single(name, lambda node: node.break_(keys, args)))
+        results = self._on_each(name, lambda node: node.break_(keys, args))
+        return any(r == 1 for r in results if not isinstance(r, Exception))
+
+    def do_abandon(self, name: str, owner: str) -> None:
+        if not self.fair:
+            return
+        k = self._keys(name)
+        self._single(
+            name,
+            lambda node: node.abandon(
+                [k.lock, k.queue, k.queue_deadlines, k.signal_prefix + owner],
+                [owner, k.signal_prefix],
+            ),
+        )
+
+    def do_list(self, prefix: str) -> list[LockInfo]:
+        low, high = _lex_range(prefix)
+        per_node: list[dict[str, LockInfo]] = []
+        for node in self.nodes:
+            found: dict[str, LockInfo] = {}
+            try:
+                for tag in self._tags:
+                    reply = node.list(
+                        [f"{tag}:idx", f"{tag}:meta"],
+                        [
+                            low.encode("utf-8", "surrogateescape"),
+                            high.encode("utf-8", "surrogateescape"),
+                            f"{tag}:lock:",
+                        ],
+                    )
+                    found.update(self._parse_list(reply))
+            except RedisError as e:
+                if not self.redlock:
+                    raise self._unavailable(prefix, e, node) from e
+                continue
+            per_node.append(found)
+        if not self.redlock:
+            return list(per_node[0].values()) if per_node else []
+        return self._merge_quorum(per_node)
+
+    def _parse_list(self, reply: list[Any]) -> dict[str, LockInfo]:
+        now_us = int(reply[0])
+        found = {}
+        for i in range(1, len(reply), 3):
+            name = _text(reply[i])
+            token_s, acquired_s, holder = _text(reply[i + 1]).split(":", 2)
+            pttl_ms = int(reply[i + 2])
+            found[name] = LockInfo(
+                backend=self.alias,
+                name=name,
+                token=int(token_s),
+                holder=load_holder(holder),
+                acquired_at=micros_to_datetime(int(acquired_s)),
+                expires_at=micros_to_datetime(now_us + pttl_ms * 1000),
+                expires_in=pttl_ms / 1000,
+            )
+        return found
+
+    def _merge_quorum(self, per_node: list[dict[str, LockInfo]]) -> list[LockInfo]:
+        names: dict[str, list[LockInfo]] = {}
+        for found in per_node:
+            for name, info in found.items():
+                names.setdefault(name, []).append(info)
+        merged = []
+        for infos in names.values():
+            if len(infos) < self.quorum:
+                continue
+            soonest = min(infos, key=lambda i: i.expires_in)
+            merged.append(
+                LockInfo(
+                    backend=self.alias,
+                    name=soonest.name,
+                    token=max(i.token for i in infos),
+                    holder=soonest.holder,
+                    acquired_at=min(i.acquired_at for i in infos),
+                    expires_at=soonest.expires_at,
+                    expires_in=soonest.expires_in,
+                )
+            )
+        return merged
+
+    def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
+        """Block on the wake-up list until a release, or a fallback re-check.
+
+        The fallback is never longer than half the holder's remaining lease (or
+        that lease plus a millisecond when it is short), nor than WAIT_CAP, so a
+        lost wake-up or a holder that died cannot strand a waiter.
+        """
+        holder_ms = getattr(self._local, "holder_pttl_ms", 0)
+        fallback = max(holder_ms / 2000, min(holder_ms / 1000 + 0.001, 0.05))
+        nodes = self.nodes
+        timeout = min(self._blocking_cap, fallback if holder_ms else WAIT_CAP)
+        if remaining is not None:
+            timeout = min(timeout, remaining)
+        if timeout < 0.001:
+            return
+        k = self._keys(name)
+        key = k.signal_prefix + owner if self.fair else k.wake
+        for node in nodes:
+            try:
+                node.client.blpop([key], timeout=timeout)
+                return
+            except RedisError:
+                continue  # Redlock: that master is down; block on the next one
+        time.sleep(timeout)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
