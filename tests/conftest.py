@@ -11,6 +11,7 @@ from django.conf import settings
 
 from django_dlock import locks
 from django_dlock.backends.base import BaseLockBackend
+from tests.servers import RedisServer, start_cluster
 
 
 def backend_params(aliases: list[str] | None = None) -> list[object]:
@@ -41,6 +42,28 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "backends(*aliases): run a backend_alias test on these backends only"
     )
+
+
+@pytest.fixture(scope="session")
+def redis_servers() -> Iterator[dict[str, Any]]:
+    """The single node, the 3-master cluster, and Redlock's 3 masters (the third stopped)."""
+    ports = settings.REDIS_PORTS
+    single = RedisServer(ports["single"]).start()
+    cluster = start_cluster(ports["cluster"])
+    redlock = [RedisServer(port).start() for port in ports["redlock"]]
+    redlock[2].stop()
+    servers = {"single": single, "cluster": cluster, "redlock": redlock}
+    yield servers
+    for server in [single, *cluster, *redlock]:
+        server.cleanup()
+
+
+@pytest.fixture(autouse=True)
+def _servers_for_backend(request: pytest.FixtureRequest) -> None:
+    if "backend_alias" in request.fixturenames:
+        alias = request.getfixturevalue("backend_alias")
+        if alias.startswith(("redis", "redlock")):
+            request.getfixturevalue("redis_servers")
 
 
 @pytest.fixture

@@ -7,11 +7,14 @@ DLOCK_REQUIRE_ALL_BACKENDS=1 (as in CI), which makes that an error.
 """
 
 import os
+import shutil
 import socket
 import tempfile
 
 from testproject.settings import *  # noqa: F403
 from testproject.settings import INSTALLED_APPS
+
+from tests.servers import free_port
 
 INSTALLED_APPS = [*INSTALLED_APPS, "tests"]
 
@@ -104,10 +107,54 @@ if "postgresql" in DATABASES:
 if "mysql" in DATABASES:
     DLOCK_BACKENDS["db-mysql"] = {"BACKEND": _DB, "OPTIONS": {"database": "mysql"}}
 
+# Redis: the tests start their own servers on these ports (tests/servers.py);
+# nothing is listening yet when this module is imported.
+_REDIS = "django_dlock.backends.redis.RedisBackend"
+REDIS_PORTS = {
+    "single": free_port(),
+    "cluster": [free_port() for _ in range(3)],
+    "redlock": [free_port() for _ in range(3)],
+}
+if shutil.which("redis-server") and shutil.which("redis-cli"):
+    _single = f"redis://127.0.0.1:{REDIS_PORTS['single']}/0"
+    DLOCK_BACKENDS.update(
+        {
+            "redis": {"BACKEND": _REDIS, "LOCATION": _single},
+            "redis-fair": {"BACKEND": _REDIS, "LOCATION": _single, "OPTIONS": {"fair": True}},
+            "redis-cluster": {
+                "BACKEND": _REDIS,
+                "LOCATION": f"redis://127.0.0.1:{REDIS_PORTS['cluster'][0]}/0",
+                "OPTIONS": {"cluster": True},
+            },
+            # Redlock over three masters; the tests keep the third one stopped.
+            "redlock": {
+                "BACKEND": _REDIS,
+                "LOCATION": [f"redis://127.0.0.1:{p}/0" for p in REDIS_PORTS["redlock"]],
+            },
+            "redis-django": {
+                "BACKEND": _REDIS,
+                "OPTIONS": {"connection": "django-redis:locks"},
+            },
+        }
+    )
+    CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "locks": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": _single},
+    }
+else:
+    for _alias in ("redis", "redis-fair", "redis-cluster", "redlock"):
+        UNAVAILABLE_BACKENDS[_alias] = "redis-server and redis-cli are not installed"
+    if REQUIRE_ALL:
+        raise RuntimeError("DLOCK_REQUIRE_ALL_BACKENDS=1 but redis-server is not installed")
+
 #: conformance alias -> the DATABASES alias its tests need (None: no database)
 CONFORMANCE_BACKENDS = {
     "locmem": None,
     "db-sqlite": "default",
     "db-postgresql": "postgresql",
     "db-mysql": "mysql",
+    "redis": None,
+    "redis-fair": None,
+    "redis-cluster": None,
+    "redlock": None,
 }

@@ -76,14 +76,18 @@ def test_eight_processes_lose_no_updates(
         pytest.skip(f"{type(backend).__name__} keeps its locks in one process's memory")
     processes, sections = 8, 200
     database = settings.CONFORMANCE_BACKENDS[backend_alias]
+    backend_settings = dict(settings.DLOCK_BACKENDS[backend_alias])
+    if database is not None:
+        # The worker knows the tested database as its "default".
+        backend_settings.pop("OPTIONS", None)
     started = time.monotonic()
     records = run_workers(
         tmp_path,
         processes=processes,
         sections=sections,
         use_lock=True,
-        databases=database_settings(database),
-        backend={"BACKEND": backend.path},
+        databases=database_settings(database) if database else {},
+        backend=backend_settings,
         hold=0.0005,
     )
     elapsed = time.monotonic() - started

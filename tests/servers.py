@@ -1,0 +1,139 @@
+"""Real redis-server processes for the tests, on free loopback ports in temp dirs.
+
+The tests own these processes, so fault tests can stop, kill and restart them.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A free port below 55536 whose cluster bus port (port + 10000) is free too."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 55000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for redis-server")
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def redis_cli(port: int, *args: str) -> str:
+    return subprocess.run(
+        ["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=30
+    ).stdout
+
+
+class RedisServer:
+    """One redis-server that keeps nothing on disk unless told to."""
+
+    def __init__(self, port: int, *extra: str) -> None:
+        self.port = port
+        self.extra = extra
+        self.dir = Path(tempfile.mkdtemp(prefix=f"dlock-redis-{port}-"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.process = subprocess.Popen(
+            [
+                "redis-server",
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self.dir),
+                "--logfile", str(self.dir / "redis.log"),
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            # A server with --requirepass answers NOAUTH: it is up all the same.
+            wait_for(
+                lambda: redis_cli(self.port, "ping").startswith(("PONG", "NOAUTH")),
+                20,
+                f"redis-server on port {self.port} (log: {self.dir / 'redis.log'})",
+            )
+        except RuntimeError:
+            self.kill()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=20)
+            self.process = None
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=20)
+            self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def cleanup(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_cluster(ports: list[int]) -> list[RedisServer]:
+    """Three masters, no replicas, every slot assigned."""
+    servers = [
+        RedisServer(
+            port,
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", f"nodes-{port}.conf",
+            "--cluster-node-timeout", "2000",
+        ).start()
+        for port in ports
+    ]  # fmt: skip
+    subprocess.run(
+        [
+            "redis-cli", "--cluster", "create",
+            *(f"127.0.0.1:{p}" for p in ports),
+            "--cluster-replicas", "0", "--cluster-yes",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )  # fmt: skip
+    for port in ports:
+        wait_for(
+            lambda port=port: "cluster_state:ok" in redis_cli(port, "cluster", "info"),
+            30,
+            f"cluster state ok on {port}",
+        )
+    return servers

@@ -1,0 +1,369 @@
+"""Redis-specific behaviour: restarts, FIFO queues, Cluster slots, Redlock quorum, connections.
+
+The conformance suite already runs against single-node Redis (fair and not),
+the 3-master Cluster and Redlock with one master down; these tests cover what
+only Redis has.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from django.test import override_settings
+
+from django_dlock import BackendUnavailable, LockTimeout, lock, locks
+from django_dlock.backends.redis import WAITER_LEASE_MS, RedisBackend
+from django_dlock.checks import check_backends
+from tests.servers import RedisServer, free_port, redis_cli, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+REDIS = "django_dlock.backends.redis.RedisBackend"
+
+pytestmark = pytest.mark.usefixtures("redis_servers")
+
+
+def raw(server: RedisServer) -> redis.Redis:
+    return redis.Redis(port=server.port, decode_responses=True)
+
+
+def test_tokens_survive_a_restart_that_loses_data(
+    redis_servers: dict[str, Any], name: str
+) -> None:
+    server = redis_servers["single"]
+    with lock(name, backend="redis") as before:
+        pass
+    server.restart()  # --save "" --appendonly no: everything is gone
+    assert raw(server).dbsize() == 0
+    with lock(name, backend="redis") as after:
+        assert after.token > before.token
+
+
+def test_tokens_survive_an_older_snapshot(redis_servers: dict[str, Any], name: str) -> None:
+    """A counter restored from an older snapshot must not make tokens repeat."""
+    backend = locks["redis"]
+    assert isinstance(backend, RedisBackend)
+    keys = backend._keys(name)
+    with lock(name, backend="redis") as first:
+        pass
+    client = raw(redis_servers["single"])
+    client.hset(keys.fence, name, 5)  # as if the last writes were lost
+    with lock(name, backend="redis") as second:
+        assert second.token > first.token
+
+
+def test_keys_are_as_documented(redis_servers: dict[str, Any], name: str) -> None:
+    client = raw(redis_servers["single"])
+    with lock(name, backend="redis", metadata={"note": "docs"}) as held:
+        assert client.get(f"{{dlock:0}}:lock:{name}") == held.owner
+        assert 0 < client.pttl(f"{{dlock:0}}:lock:{name}") <= 30_000
+        assert int(client.hget("{dlock:0}:fence", name)) == held.token
+        token, acquired_us, holder = client.hget("{dlock:0}:meta", name).split(":", 2)
+        assert int(token) == held.token and int(acquired_us) > 0 and '"note":"docs"' in holder
+        assert client.zscore("{dlock:0}:idx", name) == 0
+    assert client.exists(f"{{dlock:0}}:lock:{name}") == 0
+    assert client.zscore("{dlock:0}:idx", name) is None
+    assert int(client.hget("{dlock:0}:fence", name)) == held.token
+
+
+def test_expired_entries_leave_the_index(redis_servers: dict[str, Any], name: str) -> None:
+    client = raw(redis_servers["single"])
+    lock(name, backend="redis", ttl=0.3, renew=False).acquire()
+    time.sleep(0.6)
+    assert locks["redis"].list(name) == []
+    assert client.zscore("{dlock:0}:idx", name) is None
+    assert client.hget("{dlock:0}:meta", name) is None
+
+
+def _queue(name: str) -> list[str]:
+    backend = locks["redis-fair"]
+    assert isinstance(backend, RedisBackend)
+    client = redis.Redis.from_url(backend.locations[0], decode_responses=True)
+    return client.lrange(backend._keys(name).queue, 0, -1)
+
+
+def test_fair_waiters_are_served_in_arrival_order(name: str) -> None:
+    holder = lock(name, backend="redis-fair").acquire()
+    order: list[int] = []
+
+    def waiter(i: int) -> None:
+        with lock(name, backend="redis-fair", timeout=30):
+            order.append(i)
+
+    threads = []
+    for i in range(6):
+        thread = threading.Thread(target=waiter, args=(i,))
+        thread.start()
+        threads.append(thread)
+        wait_for(lambda i=i: len(_queue(name)) == i + 1, 10, f"waiter {i} queued")
+    holder.release()
+    for thread in threads:
+        thread.join(60)
+    assert order == list(range(6))
+    assert _queue(name) == []
+
+
+def test_fair_waiter_that_gives_up_leaves_the_queue(name: str) -> None:
+    holder = lock(name, backend="redis-fair").acquire()
+    gave_up = threading.Event()
+
+    def impatient() -> None:
+        try:
+            lock(name, backend="redis-fair", timeout=0.3).acquire()
+        except LockTimeout:
+            gave_up.set()
+
+    first = threading.Thread(target=impatient)
+    first.start()
+    wait_for(lambda: len(_queue(name)) == 1, 10, "the impatient waiter queued")
+    got: list[int] = []
+    second = threading.Thread(
+        target=lambda: got.append(lock(name, backend="redis-fair", timeout=30).acquire().token)
+    )
+    second.start()
+    wait_for(lambda: len(_queue(name)) == 2, 10, "the patient waiter queued")
+    first.join(10)
+    assert gave_up.is_set()
+    assert len(_queue(name)) == 1
+    holder.release()
+    second.join(30)
+    assert got and got[0] > holder.token
+    locks["redis-fair"].break_lock(name)
+
+
+def test_timeout_zero_does_not_stay_queued(name: str) -> None:
+    with lock(name, backend="redis-fair"):
+        with pytest.raises(LockTimeout):
+            lock(name, backend="redis-fair", timeout=0).acquire()
+        assert _queue(name) == []
+
+
+@pytest.mark.multiprocess
+def test_fair_waiter_that_dies_leaves_the_queue(name: str) -> None:
+    """A waiter killed with SIGKILL must not stall the queue past its waiter lease."""
+    holder = lock(name, backend="redis-fair").acquire()
+    backend = locks["redis-fair"]
+    assert isinstance(backend, RedisBackend)
+    code = (
+        "import django, sys; from django.conf import settings; "
+        "settings.configure(INSTALLED_APPS=['django_dlock'], DLOCK_BACKENDS={'default': "
+        f"{{'BACKEND': {REDIS!r}, 'LOCATION': {backend.locations[0]!r}, "
+        "'OPTIONS': {'fair': True}}}); django.setup(); from django_dlock import lock; "
+        f"lock({name!r}, timeout=60).acquire()"
+    )
+    doomed = subprocess.Popen(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    wait_for(lambda: len(_queue(name)) == 1, 30, "the doomed waiter queued")
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.wait()
+    got: list[int] = []
+    survivor = threading.Thread(
+        target=lambda: got.append(lock(name, backend="redis-fair", timeout=60).acquire().token)
+    )
+    survivor.start()
+    wait_for(lambda: len(_queue(name)) == 2, 10, "the survivor queued behind the dead waiter")
+    holder.release()
+    survivor.join(WAITER_LEASE_MS / 1000 * 5)
+    assert got, "the dead waiter stalled the queue"
+    locks["redis-fair"].break_lock(name)
+
+
+def test_cluster_keys_of_a_lock_share_one_slot(redis_servers: dict[str, Any]) -> None:
+    backend = locks["redis-cluster"]
+    assert isinstance(backend, RedisBackend)
+    port = redis_servers["cluster"][0].port
+    masters = set()
+    for i in range(40):
+        k = backend._keys(f"slot-test:{i}:{{odd}}")
+        slots = {
+            redis_cli(port, "cluster", "keyslot", key).strip()
+            for key in (k.lock, k.fence, k.meta, k.index, k.wake, k.queue, k.queue_deadlines)
+        }
+        assert len(slots) == 1, slots
+        masters.add(backend._tags.index(k.lock.split(":lock:")[0]))
+    assert len(masters) > 1, "locks should spread over the index shards"
+
+
+def test_cluster_spreads_locks_over_masters(redis_servers: dict[str, Any], name: str) -> None:
+    names = [f"{name}:{i}" for i in range(24)]
+    held = [lock(n, backend="redis-cluster").acquire() for n in names]
+    try:
+        # Each master answers only for its own slots; count the lock keys it has.
+        per_master = [
+            len(redis.Redis(port=s.port).keys(f"*:lock:{name}:*"))
+            for s in redis_servers["cluster"]
+        ]
+        assert sum(per_master) == len(names)
+        assert sum(1 for count in per_master if count) >= 2, per_master
+        assert sorted(i.name for i in locks["redis-cluster"].list(name)) == sorted(names)
+    finally:
+        for h in held:
+            h.release()
+
+
+def test_redlock_token_is_the_maximum_over_the_majority(
+    redis_servers: dict[str, Any], name: str
+) -> None:
+    backend = locks["redlock"]
+    assert isinstance(backend, RedisBackend)
+    live = [s for s in redis_servers["redlock"] if s.process is not None]
+    assert len(live) == 2
+    # Give one master a counter far ahead, as if it had issued more tokens.
+    k = backend._keys(name)
+    raw(live[1]).hset(k.fence, name, 9_000_000_000_000_000)
+    with lock(name, backend="redlock") as held:
+        fences = [int(raw(s).hget(k.fence, name)) for s in live]
+        assert held.token == max(fences) == 9_000_000_000_000_001
+
+
+def test_redlock_failed_attempt_releases_everywhere(
+    redis_servers: dict[str, Any], name: str
+) -> None:
+    backend = locks["redlock"]
+    assert isinstance(backend, RedisBackend)
+    live = [s for s in redis_servers["redlock"] if s.process is not None]
+    k = backend._keys(name)
+    raw(live[1]).set(k.lock, "someone-else", px=30_000)  # held on one of the two live masters
+    with pytest.raises(LockTimeout):
+        lock(name, backend="redlock", timeout=0).acquire()
+    assert raw(live[0]).exists(k.lock) == 0, "the partial acquisition was not undone"
+    assert raw(live[1]).get(k.lock) == "someone-else"
+    raw(live[1]).delete(k.lock)
+
+
+def test_redlock_without_a_quorum_is_unavailable(redis_servers: dict[str, Any], name: str) -> None:
+    second = redis_servers["redlock"][1]
+    second.stop()
+    try:
+        with pytest.raises(BackendUnavailable):
+            lock(name, backend="redlock", timeout=0).acquire()
+    finally:
+        second.start()
+    with lock(name, backend="redlock", timeout=0) as held:
+        assert held.token > 0
+
+
+def test_redlock_lease_counts_clock_drift() -> None:
+    backend = locks["redlock"]
+    assert backend.drift(10) == pytest.approx(0.102)
+    assert locks["redis"].drift(10) == 0
+
+
+def test_django_redis_connection_reuses_the_cache_pool(name: str) -> None:
+    from django_redis import get_redis_connection
+
+    backend = locks["redis-django"]
+    assert isinstance(backend, RedisBackend)
+    with lock(name, backend="redis-django") as held:
+        assert backend.nodes[0].client is get_redis_connection("locks")
+        assert [i.token for i in locks["redis"].list(name)] == [held.token]
+
+
+def test_password_and_database_in_the_url(name: str) -> None:
+    server = RedisServer(free_port(), "--requirepass", "s3cret").start()
+    try:
+        url = f"redis://:s3cret@127.0.0.1:{server.port}/3"
+        with (
+            override_settings(DLOCK_BACKENDS={"default": {"BACKEND": REDIS, "LOCATION": url}}),
+            lock(name) as held,
+        ):
+            client = redis.Redis(port=server.port, password="s3cret", db=3)
+            assert client.exists(f"{{dlock:0}}:lock:{name}") == 1
+            assert held.token > 0
+        bad = f"redis://:wrong@127.0.0.1:{server.port}/3"
+        with override_settings(DLOCK_BACKENDS={"default": {"BACKEND": REDIS, "LOCATION": bad}}):
+            with pytest.raises(BackendUnavailable):
+                lock(name, timeout=0).acquire()
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("tls")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-subj", "/CN=dlock-test-ca", "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+            "-keyout", "server.key", "-out", "server.csr")  # fmt: skip
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "1", "-extfile", "san.ext",
+            "-out", "server.crt")  # fmt: skip
+    return {"ca": d / "ca.crt", "cert": d / "server.crt", "key": d / "server.key"}
+
+
+def test_tls_with_rediss_url(tls_files: dict[str, Path], name: str) -> None:
+    port = free_port()
+    server = RedisServer(
+        free_port(),
+        "--tls-port", str(port),
+        "--tls-cert-file", str(tls_files["cert"]),
+        "--tls-key-file", str(tls_files["key"]),
+        "--tls-ca-cert-file", str(tls_files["ca"]),
+        "--tls-auth-clients", "no",
+    ).start()  # fmt: skip
+    try:
+        settings = {
+            "BACKEND": REDIS,
+            "LOCATION": f"rediss://127.0.0.1:{port}/0",
+            "OPTIONS": {"client_kwargs": {"ssl_ca_certs": str(tls_files["ca"])}},
+        }
+        with override_settings(DLOCK_BACKENDS={"default": settings}), lock(name) as held:
+            assert [i.token for i in locks["default"].list(name)] == [held.token]
+    finally:
+        server.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("params", "mentions"),
+    [
+        ({"LOCATION": "http://127.0.0.1:6379"}, "redis://"),
+        ({"LOCATION": 6379}, "LOCATION"),
+        ({"LOCATION": "redis://x", "KEY_PREFIX": "a{b}"}, "braces"),
+        (
+            {"LOCATION": ["redis://a", "redis://b", "redis://c"], "OPTIONS": {"fair": True}},
+            "Redlock",
+        ),
+        ({"LOCATION": "redis://x", "OPTIONS": {"connection": "django-redis:locks"}}, "not both"),
+        ({"OPTIONS": {"connection": "locks"}}, "django-redis:"),
+        ({"LOCATION": "redis://x", "OPTIONS": {"shards": 0}}, "shards"),
+        ({"LOCATION": "redis://x", "OPTIONS": {"fair": "yes"}}, "fair"),
+        ({"LOCATION": "redis://x", "OPTIONS": {"socket_timeout": -1}}, "socket_timeout"),
+    ],
+)
+def test_bad_redis_settings_are_check_errors(params: dict[str, Any], mentions: str) -> None:
+    setting = {"default": {"BACKEND": "django_dlock.backends.locmem.LocMemBackend"}}
+    setting["r"] = {"BACKEND": REDIS, **params}
+    with override_settings(DLOCK_BACKENDS=setting):
+        errors = list(check_backends())
+    assert [e.id for e in errors] == ["django_dlock.E006"], errors
+    assert mentions in errors[0].msg and "'r'" in errors[0].msg
+
+
+def test_even_redlock_is_a_warning() -> None:
+    setting = {
+        "default": {"BACKEND": REDIS, "LOCATION": ["redis://a", "redis://b"]},
+    }
+    with override_settings(DLOCK_BACKENDS=setting):
+        assert [e.id for e in check_backends()] == ["django_dlock.W001"]
+
+
+def test_unreachable_server_is_unavailable(name: str) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with override_settings(DLOCK_BACKENDS={"default": {"BACKEND": REDIS, "LOCATION": url}}):
+        with pytest.raises(BackendUnavailable) as excinfo:
+            lock(name).acquire()
+    assert excinfo.value.backend == "default"
