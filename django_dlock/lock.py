@@ -36,7 +36,9 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from . import conf
+from ._validation import dump_holder, validate_name, validate_timeout, validate_ttl
 from .exceptions import BackendUnavailable, LockLost, LockNotOwned
+from .handler import locks
 from .signals import lock_acquired, lock_lost, lock_released
 from .watchdog import get_watchdog
 
@@ -109,13 +111,18 @@ class HeldLock:
         self._watch_generation = 0
         if renew:
             get_watchdog().schedule(self, ttl / 3)
-        try:
-            lock_acquired.send(
-                sender=type(backend), backend=backend.alias, name=name, token=self.token, held=self
-            )
-        except BaseException:
-            self._release_quietly()
-            raise
+        if lock_acquired.receivers:
+            try:
+                lock_acquired.send(
+                    sender=type(backend),
+                    backend=backend.alias,
+                    name=name,
+                    token=self.token,
+                    held=self,
+                )
+            except BaseException:
+                self._release_quietly()
+                raise
         return self
 
     def __repr__(self) -> str:
@@ -168,8 +175,6 @@ class HeldLock:
         The new TTL also becomes the renewal period's basis. Raises
         :class:`LockNotOwned` (a :class:`LockLost`) if the lease is gone.
         """
-        from .backends.base import validate_ttl
-
         ttl = self.ttl if ttl is None else validate_ttl(ttl)
         if self._state != _HELD:
             raise self._error(LockNotOwned, f"cannot be extended: it was {self._state}")
@@ -206,13 +211,14 @@ class HeldLock:
             raise self._error(
                 LockNotOwned, "was not held at release: the lease expired or was broken"
             )
-        lock_released.send(
-            sender=type(self.backend),
-            backend=self.alias,
-            name=self.name,
-            token=self.token,
-            held=self,
-        )
+        if lock_released.receivers:
+            lock_released.send(
+                sender=type(self.backend),
+                backend=self.alias,
+                name=self.name,
+                token=self.token,
+                held=self,
+            )
 
     def __enter__(self) -> HeldLock:
         return self
@@ -345,13 +351,6 @@ class Lock:
         metadata: Mapping[str, Any] | None = None,
         renew: bool = True,
     ) -> None:
-        from .backends.base import (
-            dump_holder,
-            validate_name,
-            validate_timeout,
-            validate_ttl,
-        )
-
         self.name = validate_name(name)
         self.ttl = None if ttl is None else validate_ttl(ttl)
         self.timeout = validate_timeout(timeout)
@@ -451,8 +450,6 @@ class Lock:
     # --- internals -------------------------------------------------------------------
 
     def _acquire(self, timeout: float | None, name: str | None) -> HeldLock:
-        from .handler import locks
-
         return locks[self.backend].acquire(
             self.name if name is None else name,
             ttl=self.ttl,

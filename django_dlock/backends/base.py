@@ -32,23 +32,25 @@ skips, with the reason, what a backend declares it cannot do.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
 import random
-import secrets
-import socket
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, ClassVar
 
 from django.core.checks import CheckMessage
 
 from .. import conf
+from .._validation import (
+    holder_json,
+    holder_metadata,
+    new_owner,
+    validate_name,
+    validate_timeout,
+    validate_ttl,
+)
 from ..exceptions import InvalidLockOption, InvalidTTL, LockConfigurationError, LockTimeout
 from ..lock import HeldLock
 from ..signals import lock_broken
@@ -76,72 +78,6 @@ class LockInfo:
     acquired_at: datetime
     expires_at: datetime
     expires_in: float
-
-
-def micros_to_datetime(micros: int) -> datetime:
-    return datetime.fromtimestamp(micros / 1_000_000, tz=timezone.utc)
-
-
-def validate_name(name: object) -> str:
-    if not isinstance(name, str):
-        raise TypeError(f"A lock name must be a str, not {type(name).__name__}.")
-    if not name:
-        raise ValueError("A lock name must not be empty.")
-    return name
-
-
-def validate_ttl(ttl: object, *, what: str = "ttl") -> float:
-    """A lease length in seconds: a finite number of at least one millisecond."""
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
-        raise TypeError(f"{what} must be a number of seconds, not {type(ttl).__name__}.")
-    if not math.isfinite(ttl) or ttl < 0.001:
-        raise ValueError(
-            f"{what} must be a finite number of seconds of at least 0.001, not {ttl!r}; "
-            "leases always expire."
-        )
-    return float(ttl)
-
-
-def validate_timeout(timeout: object) -> float | None:
-    """None waits forever, 0 tries once, a positive number waits that many seconds."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be None or a number of seconds, not {timeout!r}.")
-    if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}.")
-    return None if math.isinf(timeout) else float(timeout)
-
-
-def dump_holder(holder: Mapping[str, Any]) -> str:
-    try:
-        return json.dumps(holder, separators=(",", ":"), sort_keys=True)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"Lock metadata must be JSON-serializable: {e}") from e
-
-
-def load_holder(text: str | None) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return {"unparsed": text}
-    return value if isinstance(value, dict) else {"value": value}
-
-
-def holder_metadata(ttl: float, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Who is asking: stored with the lease for ``manage.py locks`` and the admin."""
-    holder: dict[str, Any] = {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "thread": threading.current_thread().name,
-        "acquired_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-        "ttl": ttl,
-    }
-    if extra:
-        holder.update(extra)
-    return holder
 
 
 class BaseLockBackend:
@@ -255,16 +191,16 @@ class BaseLockBackend:
         name = validate_name(name)
         ttl = self.default_ttl if ttl is None else validate_ttl(ttl)
         timeout = validate_timeout(timeout)
-        owner = secrets.token_hex(16)
+        owner = new_owner()
         holder = holder_metadata(ttl, metadata)
-        holder_json = dump_holder(holder)
+        holder_text = holder_json(holder, metadata)
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
         refused = False
         try:
             while True:
                 sent = time.monotonic()
-                token = self.do_acquire(name, owner, ttl, holder_json)
+                token = self.do_acquire(name, owner, ttl, holder_text)
                 if token is not None:
                     break
                 refused = True

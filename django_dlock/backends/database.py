@@ -42,8 +42,9 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseError, IntegrityError, InterfaceError, OperationalError
 
+from .._validation import load_holder, micros_to_datetime
 from ..exceptions import BackendUnavailable, LockConfigurationError
-from .base import BaseLockBackend, LockInfo, load_holder, micros_to_datetime
+from .base import BaseLockBackend, LockInfo
 
 T = TypeVar("T")
 

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .base import BaseLockBackend, LockInfo, load_holder, micros_to_datetime
+from .._validation import load_holder, micros_to_datetime
+from .base import BaseLockBackend, LockInfo
 
 
 @dataclass

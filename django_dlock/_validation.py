@@ -1,0 +1,128 @@
+"""Argument checks and holder metadata, shared by the lock handle and the backends."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+# One encoder: json.dumps() with non-default arguments builds a new one per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_HOST = socket.gethostname()
+
+
+class _Owners:
+    """Owner tokens: a random per-process prefix and a counter.
+
+    Unique without a system call per acquisition; a forked child draws a new
+    prefix so that it never repeats its parent's tokens.
+    """
+
+    def __init__(self) -> None:
+        self.prefix = secrets.token_hex(10)
+        self.counter = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self.prefix}{next(self.counter):012x}"
+
+
+_owners = _Owners()
+
+
+def _reset_owners_after_fork() -> None:
+    global _owners
+    _owners = _Owners()
+
+
+os.register_at_fork(after_in_child=_reset_owners_after_fork)
+
+
+def new_owner() -> str:
+    """A 32-character token that identifies one acquisition."""
+    return _owners.next()
+
+
+def micros_to_datetime(micros: int) -> datetime:
+    return datetime.fromtimestamp(micros / 1_000_000, tz=timezone.utc)
+
+
+def validate_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"A lock name must be a str, not {type(name).__name__}.")
+    if not name:
+        raise ValueError("A lock name must not be empty.")
+    return name
+
+
+def validate_ttl(ttl: object, *, what: str = "ttl") -> float:
+    """A lease length in seconds: a finite number of at least one millisecond."""
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, not {type(ttl).__name__}.")
+    if not math.isfinite(ttl) or ttl < 0.001:
+        raise ValueError(
+            f"{what} must be a finite number of seconds of at least 0.001, not {ttl!r}; "
+            "leases always expire."
+        )
+    return float(ttl)
+
+
+def validate_timeout(timeout: object) -> float | None:
+    """None waits forever, 0 tries once, a positive number waits that many seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be None or a number of seconds, not {timeout!r}.")
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}.")
+    return None if math.isinf(timeout) else float(timeout)
+
+
+def dump_holder(holder: Mapping[str, Any]) -> str:
+    try:
+        return _ENCODER.encode(holder)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"Lock metadata must be JSON-serializable: {e}") from e
+
+
+def load_holder(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"unparsed": text}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def holder_metadata(ttl: float, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Who is asking: stored with the lease for ``manage.py locks`` and the admin."""
+    holder: dict[str, Any] = {
+        "host": _HOST,
+        "pid": os.getpid(),
+        "thread": threading.current_thread().name,
+        "acquired_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        "ttl": ttl,
+    }
+    if extra:
+        holder.update(extra)
+    return holder
+
+
+def holder_json(holder: Mapping[str, Any], extra: Mapping[str, Any] | None) -> str:
+    """``dump_holder(holder)``, cheaper when ``extra`` is empty (the common case)."""
+    if extra:
+        return dump_holder(holder)
+    return (
+        f'{{"host":{_HOST_JSON},"pid":{holder["pid"]},"thread":{_ENCODER.encode(holder["thread"])},'
+        f'"acquired_at":"{holder["acquired_at"]}","ttl":{float(holder["ttl"])!r}}}'
+    )
+
+
+_HOST_JSON = _ENCODER.encode(_HOST)
