@@ -24,17 +24,17 @@ Key layout, for ``KEY_PREFIX`` P, shard s (``crc32(name) % shards``) and lock
 name N. Every key of a shard carries the hash tag ``{Pdlock:s}``, so a lock's
 keys always share one Redis Cluster slot::
 
-    {Pdlock:s}:lock:N     string  the holder's owner token, with the lease as its PX expiry
+    {Pdlock:s}:lock:N     string  "owner:token:acquired_us:holder JSON"; SET NX PX: the lease
     {Pdlock:s}:fence      hash    N -> last fencing token issued (never expires)
-    {Pdlock:s}:meta       hash    N -> "token:acquired_us:holder JSON"
     {Pdlock:s}:idx        zset    N with score 0: the index that list() reads by prefix
+    {Pdlock:s}:waiting:N  string  set by a refused attempt: someone waits (not fair)
     {Pdlock:s}:wake:N     list    a release pushes one element: wakes one waiter (not fair)
     {Pdlock:s}:q:N        list    waiters' owner tokens in arrival order (fair)
     {Pdlock:s}:qt:N       zset    waiter -> deadline in ms by the server clock (fair)
     {Pdlock:s}:sig:W      list    a release pushes here to wake waiter W (fair)
 
 So ``redis-cli GET '{dlock:0}:lock:report:daily'`` shows who holds
-``report:daily`` and ``redis-cli PTTL`` for how much longer.
+``report:daily`` with which token, and ``redis-cli PTTL`` for how much longer.
 
 Fencing tokens are ``max(previous + 1, server clock in microseconds)``, so a
 Redis restarted without its data (or with an older snapshot) still issues
@@ -44,6 +44,8 @@ microsecond was issued for a name on average.
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 import time
 import zlib
@@ -53,15 +55,18 @@ from typing import Any
 
 from django.core import checks
 
+from .._validation import load_holder, micros_to_datetime
 from ..exceptions import BackendUnavailable, LockConfigurationError
-from .base import BaseLockBackend, LockInfo, load_holder, micros_to_datetime
+from .base import BaseLockBackend, LockInfo
 
 try:
     import redis
     from redis.backoff import NoBackoff
     from redis.cluster import RedisCluster
     from redis.commands.core import Script
-    from redis.exceptions import RedisError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import NoScriptError, RedisError, ResponseError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
     from redis.retry import Retry
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -71,7 +76,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 #: Longest single blocking wait; waiters re-check at least this often.
 WAIT_CAP = 1.0
 #: A fair waiter that has not re-checked for this long is presumed dead and
-#: dropped from the queue. Must exceed WAIT_CAP comfortably.
+#: dropped from the queue; an unfair waiter's "someone waits" flag lasts as
+#: long. Must exceed WAIT_CAP comfortably.
 WAITER_LEASE_MS = 3000
 #: How long a wake-up element survives if nobody pops it.
 SIGNAL_TTL_MS = 2000
@@ -83,7 +89,7 @@ local now_us = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
 """
 
 # Shared: pop waiters whose deadline passed off the head of the fair queue and
-# return the live head (or false). KEYS[q] is the queue, KEYS[qt] the deadlines.
+# return the live head (or false).
 _LIVE_HEAD = """
 local function live_head(q, qt, now_ms)
     while true do
@@ -97,82 +103,127 @@ local function live_head(q, qt, now_ms)
 end
 """
 
-# Shared: wake whoever should try next. Fair: push to the live head's own
-# signal list. Not fair: leave one element in the lock's wake list (one
-# waiter's BLPOP takes it; if nobody waits it expires).
-# ARGV[sigprefix] is "{tag}:sig:", fair is "1" or "".
-_WAKE = """
-local function wake(fair, q, qt, wake_list, sigprefix, now_ms)
-    if fair == '1' then
-        local head = live_head(q, qt, now_ms)
-        if head then
-            local sig = sigprefix .. head
-            redis.call('rpush', sig, 1)
-            redis.call('pexpire', sig, SIGNAL_TTL_MS)
-        end
-    else
-        if redis.call('llen', wake_list) == 0 then redis.call('rpush', wake_list, 1) end
-        redis.call('pexpire', wake_list, SIGNAL_TTL_MS)
+# Shared: push to the signal list of the first live waiter in the fair queue.
+_WAKE_HEAD = """
+local function wake_head(q, qt, sigprefix)
+    local t = redis.call('time')
+    local head = live_head(q, qt, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+    if head then
+        local sig = sigprefix .. head
+        redis.call('rpush', sig, 1)
+        redis.call('pexpire', sig, SIGNAL_TTL_MS)
     end
 end
 """.replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
 
-# Acquire: one attempt, one round trip.
-# KEYS[1] lock, KEYS[2] fence hash, KEYS[3] meta hash, KEYS[4] index zset,
-# KEYS[5] fair queue list, KEYS[6] fair queue deadlines zset
+# Acquire, not fair: one attempt, one round trip.
+# KEYS[1] lock, KEYS[2] fence hash, KEYS[3] index zset, KEYS[4] "someone waits" flag
 # ARGV[1] owner token, ARGV[2] ttl ms, ARGV[3] lock name, ARGV[4] holder JSON,
-# ARGV[5] "1" for fair, ARGV[6] waiter lease ms
-# Returns the new fencing token (> 0), or -(holder's PTTL + 1) when refused
-# (-1 when the lock is free but an earlier waiter is first in line).
+# ARGV[5] how long the "someone waits" flag lasts (ms)
+# The token is computed first and the counter advanced only if SET NX wins.
+# The lock's value becomes "owner:token:acquired_us:holder JSON".
+# Returns the new fencing token (> 0), or -(holder's PTTL + 1) when refused.
+# Idempotent: if ARGV[1] already holds the lock (a retry after a lost reply),
+# returns the token it was granted.
 ACQUIRE = (
     _NOW_US
-    + _LIVE_HEAD
     + """
-if ARGV[5] == '1' then
-    local now_ms = math.floor(now_us / 1000)
-    local head = live_head(KEYS[5], KEYS[6], now_ms)
-    local pttl = redis.call('pttl', KEYS[1])
-    if pttl ~= -2 or (head and head ~= ARGV[1]) then
-        if redis.call('zadd', KEYS[6], now_ms + tonumber(ARGV[6]), ARGV[1]) == 1 then
-            redis.call('rpush', KEYS[5], ARGV[1])
-        end
-        redis.call('pexpire', KEYS[5], 2 * tonumber(ARGV[6]))
-        redis.call('pexpire', KEYS[6], 2 * tonumber(ARGV[6]))
-        return -(math.max(pttl, 0) + 1)
-    end
-    if head then
-        redis.call('lpop', KEYS[5])
-        redis.call('zrem', KEYS[6], ARGV[1])
-    end
-    redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
-elseif not redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    return -(math.max(redis.call('pttl', KEYS[1]), 0) + 1)
-end
 local token = math.max(tonumber(redis.call('hget', KEYS[2], ARGV[3]) or 0) + 1, now_us)
 local token_s = string.format('%d', token)
+local value = ARGV[1] .. ':' .. token_s .. ':' .. string.format('%d', now_us) .. ':' .. ARGV[4]
+if not redis.call('set', KEYS[1], value, 'NX', 'PX', ARGV[2]) then
+    local current = redis.call('get', KEYS[1])
+    if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
+        return tonumber(string.match(current, '^[^:]*:(%d+):'))
+    end
+    redis.call('set', KEYS[4], 1, 'PX', ARGV[5])
+    return -(math.max(redis.call('pttl', KEYS[1]), 0) + 1)
+end
 redis.call('hset', KEYS[2], ARGV[3], token_s)
-local meta = token_s .. ':' .. string.format('%d', now_us) .. ':' .. ARGV[4]
-redis.call('hset', KEYS[3], ARGV[3], meta)
-redis.call('zadd', KEYS[4], 0, ARGV[3])
+redis.call('zadd', KEYS[3], 0, ARGV[3])
 return token
 """
 )
 
-# Release: compare the owner, delete, drop the index entry, wake the next waiter.
-# KEYS[1] lock, KEYS[2] meta hash, KEYS[3] index zset, KEYS[4] wake list,
-# KEYS[5] fair queue, KEYS[6] fair queue deadlines
-# ARGV[1] owner token, ARGV[2] lock name, ARGV[3] "1" for fair, ARGV[4] signal key prefix
-# Returns 1 if ARGV[1] held the lock, else 0.
-RELEASE = (
+# Acquire, fair: granted only if the lock is free and no live waiter is ahead.
+# KEYS[1] lock, KEYS[2] fence hash, KEYS[3] index zset, KEYS[4] queue list,
+# KEYS[5] queue deadlines zset
+# ARGV[1] owner token (also the waiter id), ARGV[2] ttl ms, ARGV[3] lock name,
+# ARGV[4] holder JSON, ARGV[5] waiter lease ms
+# Returns the new fencing token (> 0), or -(holder's PTTL + 1) when refused
+# (-1 when the lock is free but an earlier waiter is first in line). A refused
+# caller is queued (once) and its deadline pushed out by the waiter lease.
+# Idempotent like ACQUIRE.
+ACQUIRE_FAIR = (
     _NOW_US
     + _LIVE_HEAD
-    + _WAKE
     + """
-if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+local now_ms = math.floor(now_us / 1000)
+local current = redis.call('get', KEYS[1])
+if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
+    return tonumber(string.match(current, '^[^:]*:(%d+):'))
+end
+local head = live_head(KEYS[4], KEYS[5], now_ms)
+local pttl = redis.call('pttl', KEYS[1])
+if pttl ~= -2 or (head and head ~= ARGV[1]) then
+    if redis.call('zadd', KEYS[5], now_ms + tonumber(ARGV[5]), ARGV[1]) == 1 then
+        redis.call('rpush', KEYS[4], ARGV[1])
+    end
+    redis.call('pexpire', KEYS[4], 2 * tonumber(ARGV[5]))
+    redis.call('pexpire', KEYS[5], 2 * tonumber(ARGV[5]))
+    return -(math.max(pttl, 0) + 1)
+end
+if head then
+    redis.call('lpop', KEYS[4])
+    redis.call('zrem', KEYS[5], ARGV[1])
+end
+local token = math.max(tonumber(redis.call('hget', KEYS[2], ARGV[3]) or 0) + 1, now_us)
+local token_s = string.format('%d', token)
+redis.call('hset', KEYS[2], ARGV[3], token_s)
+local value = ARGV[1] .. ':' .. token_s .. ':' .. string.format('%d', now_us) .. ':' .. ARGV[4]
+redis.call('set', KEYS[1], value, 'PX', ARGV[2])
+redis.call('zadd', KEYS[3], 0, ARGV[3])
+return token
+"""
+)
+
+# Shared: is ARGV[1] the owner recorded at the start of the lock's value?
+_OWNED = """
+local value = redis.call('get', KEYS[1])
+if not value or string.sub(value, 1, #ARGV[1] + 1) ~= ARGV[1] .. ':' then return 0 end
+"""
+
+# Release, not fair: compare the owner, delete, drop the index entry, and
+# leave one wake-up element if a waiter flagged that it waits.
+# KEYS[1] lock, KEYS[2] index zset, KEYS[3] wake list, KEYS[4] "someone waits" flag
+# ARGV[1] owner token, ARGV[2] lock name
+# Returns 1 if ARGV[1] held the lock, else 0.
+RELEASE = (
+    _OWNED
+    + """
 redis.call('del', KEYS[1])
-redis.call('hdel', KEYS[2], ARGV[2])
-redis.call('zrem', KEYS[3], ARGV[2])
-wake(ARGV[3], KEYS[5], KEYS[6], KEYS[4], ARGV[4], math.floor(now_us / 1000))
+redis.call('zrem', KEYS[2], ARGV[2])
+if redis.call('exists', KEYS[4]) == 1 then
+    if redis.call('llen', KEYS[3]) == 0 then redis.call('rpush', KEYS[3], 1) end
+    redis.call('pexpire', KEYS[3], SIGNAL_TTL_MS)
+end
+return 1
+""".replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
+)
+
+# Release, fair: compare the owner, delete, drop the index entry, and push to
+# the signal list of the first live waiter.
+# KEYS[1] lock, KEYS[2] index zset, KEYS[3] queue list, KEYS[4] queue deadlines
+# ARGV[1] owner token, ARGV[2] lock name, ARGV[3] signal key prefix "{tag}:sig:"
+# Returns 1 if ARGV[1] held the lock, else 0.
+RELEASE_FAIR = (
+    _OWNED
+    + _LIVE_HEAD
+    + _WAKE_HEAD
+    + """
+redis.call('del', KEYS[1])
+redis.call('zrem', KEYS[2], ARGV[2])
+wake_head(KEYS[3], KEYS[4], ARGV[3])
 return 1
 """
 )
@@ -180,28 +231,36 @@ return 1
 # Extend: compare the owner, then the lease runs ARGV[2] ms from now.
 # KEYS[1] lock; ARGV[1] owner token, ARGV[2] ttl ms
 # Returns 1 if ARGV[1] held the lock, else 0.
-EXTEND = """
-if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+EXTEND = (
+    _OWNED
+    + """
 redis.call('pexpire', KEYS[1], ARGV[2])
 return 1
 """
+)
 
-# Break: delete whoever holds it and wake the next waiter. Same KEYS as RELEASE;
-# ARGV[1] lock name, ARGV[2] "1" for fair, ARGV[3] signal key prefix.
+# Break: delete whoever holds it and wake the next waiter (fair: the queue's
+# head; not fair: every waiter re-checks, as after a release).
+# KEYS[1] lock, KEYS[2] index zset, KEYS[3] wake list, KEYS[4] "someone waits"
+# flag, KEYS[5] queue list, KEYS[6] queue deadlines
+# ARGV[1] lock name, ARGV[2] "1" for fair, ARGV[3] signal key prefix
 # Returns 1 if the lock was held, else 0.
 BREAK = (
-    _NOW_US
-    + _LIVE_HEAD
-    + _WAKE
+    _LIVE_HEAD
+    + _WAKE_HEAD
     + """
 local held = redis.call('del', KEYS[1])
-redis.call('hdel', KEYS[2], ARGV[1])
-redis.call('zrem', KEYS[3], ARGV[1])
+redis.call('zrem', KEYS[2], ARGV[1])
 if held == 1 then
-    wake(ARGV[2], KEYS[5], KEYS[6], KEYS[4], ARGV[3], math.floor(now_us / 1000))
+    if ARGV[2] == '1' then
+        wake_head(KEYS[5], KEYS[6], ARGV[3])
+    elseif redis.call('exists', KEYS[4]) == 1 then
+        redis.call('rpush', KEYS[3], 1)
+        redis.call('pexpire', KEYS[3], SIGNAL_TTL_MS)
+    end
 end
 return held
-"""
+""".replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
 )
 
 # Abandon: a fair waiter gives up. Leave the queue, drop its signal list, and
@@ -210,16 +269,13 @@ return held
 # waiter's signal list; ARGV[1] owner token (waiter id), ARGV[2] signal key prefix
 # Returns the number of queue entries removed.
 ABANDON = (
-    _NOW_US
-    + _LIVE_HEAD
-    + _WAKE
+    _LIVE_HEAD
+    + _WAKE_HEAD
     + """
 local removed = redis.call('lrem', KEYS[2], 0, ARGV[1])
 redis.call('zrem', KEYS[3], ARGV[1])
 redis.call('del', KEYS[4])
-if redis.call('exists', KEYS[1]) == 0 then
-    wake('1', KEYS[2], KEYS[3], '', ARGV[2], math.floor(now_us / 1000))
-end
+if redis.call('exists', KEYS[1]) == 0 then wake_head(KEYS[2], KEYS[3], ARGV[2]) end
 return removed
 """
 )
@@ -227,22 +283,25 @@ return removed
 # List one shard: the index entries in a lexicographic range whose lock is
 # still live, dropping entries whose lease expired. The lock keys are built
 # from ARGV[3]; they carry the shard's hash tag, so they are in this slot.
-# KEYS[1] index zset, KEYS[2] meta hash
-# ARGV[1], ARGV[2] the ZRANGEBYLEX bounds, ARGV[3] lock key prefix "{tag}:lock:"
-# Returns {now_us, name1, meta1, pttl1, name2, ...}.
+# KEYS[1] index zset; ARGV[1], ARGV[2] the ZRANGEBYLEX bounds, ARGV[3] the
+# lock key prefix "{tag}:lock:"
+# Returns {now_us, name1, value1, pttl1, name2, ...}.
 LIST = (
     _NOW_US
     + """
 local out = {string.format('%d', now_us)}
 for _, name in ipairs(redis.call('zrangebylex', KEYS[1], ARGV[1], ARGV[2])) do
-    local pttl = redis.call('pttl', ARGV[3] .. name)
-    if pttl == -2 then
+    local key = ARGV[3] .. name
+    local value = redis.call('get', key)
+    if not value then
         redis.call('zrem', KEYS[1], name)
-        redis.call('hdel', KEYS[2], name)
-    elseif pttl > 0 then
-        out[#out + 1] = name
-        out[#out + 1] = redis.call('hget', KEYS[2], name) or ''
-        out[#out + 1] = pttl
+    else
+        local pttl = redis.call('pttl', key)
+        if pttl > 0 then
+            out[#out + 1] = name
+            out[#out + 1] = value
+            out[#out + 1] = pttl
+        end
     end
 end
 return out
@@ -254,9 +313,9 @@ return out
 class _Keys:
     lock: str
     fence: str
-    meta: str
     index: str
     wake: str
+    waiting: str
     queue: str
     queue_deadlines: str
     signal_prefix: str
@@ -275,17 +334,79 @@ def _lex_range(prefix: str) -> tuple[str, str]:
 
 
 class _Node:
-    """One Redis deployment (a server, or a cluster) and its scripts."""
+    """One Redis deployment (a server, or a cluster), its scripts and its connections.
 
-    def __init__(self, client: Any, label: str) -> None:
+    The hot commands (acquire, release, extend, check) skip redis-py's
+    per-command client machinery (retry wrapper, timing, metrics), which costs
+    more than the round trip on loopback: they are written to a connection
+    directly with redis-py's own Connection and parser. Our own clients give
+    each thread a dedicated connection; a django-redis client's connections
+    are borrowed from, and returned to, its pool. A Cluster client keeps
+    redis-py's path, which routes each command to its slot's master.
+    """
+
+    def __init__(self, client: Any, label: str, *, dedicated: bool, retries: int) -> None:
         self.client = client
         self.label = label
+        self.direct = isinstance(client, redis.Redis)
+        self.dedicated = dedicated
+        self.retries = retries
+        self._local = threading.local()
         self.acquire = Script(client, ACQUIRE)
+        self.acquire_fair = Script(client, ACQUIRE_FAIR)
         self.release = Script(client, RELEASE)
+        self.release_fair = Script(client, RELEASE_FAIR)
         self.extend = Script(client, EXTEND)
         self.break_ = Script(client, BREAK)
         self.abandon = Script(client, ABANDON)
         self.list = Script(client, LIST)
+
+    def run(self, script: Script, keys: list[Any], args: list[Any]) -> Any:
+        if not self.direct:
+            return script(keys=keys, args=args)
+        try:
+            return self.command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            # The server lost its script cache (a restart, SCRIPT FLUSH).
+            script.sha = _text(self.command("SCRIPT", "LOAD", script.script))
+            return self.command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    def command(self, *args: Any) -> Any:
+        if not self.direct:
+            return self.client.execute_command(*args)
+        pool = self.client.connection_pool
+        if self.dedicated:
+            local = self._local
+            conn = getattr(local, "conn", None)
+            if conn is None or local.pid != os.getpid():
+                conn = local.conn = pool.connection_class(**pool.connection_kwargs)
+                local.pid = os.getpid()
+        else:
+            conn = pool.get_connection()
+        try:
+            for attempt in range(self.retries + 1):
+                try:
+                    conn.send_command(*args)
+                    return conn.read_response()
+                except (RedisConnectionError, RedisTimeoutError):
+                    conn.disconnect()
+                    if attempt == self.retries:
+                        raise
+        except ResponseError:
+            raise  # the error reply was read in full; the connection is fine
+        except BaseException:
+            # A reply may be half read; the next command must not read it.
+            conn.disconnect()
+            raise
+        finally:
+            if not self.dedicated:
+                pool.release(conn)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.disconnect()
 
 
 class RedisBackend(BaseLockBackend):
@@ -344,6 +465,8 @@ class RedisBackend(BaseLockBackend):
         self._mutex = threading.Lock()
         self._local = threading.local()
         self._tags = [f"{{{self.key_prefix}dlock:{s}}}" for s in range(shards)]
+        # Building eight key strings per call shows in the uncontended cycle.
+        self._keys = functools.lru_cache(maxsize=4096)(self._make_keys)
 
     # --- configuration ----------------------------------------------------------------
 
@@ -436,12 +559,10 @@ class RedisBackend(BaseLockBackend):
             "socket_timeout": self.socket_timeout,
             "socket_connect_timeout": self.socket_connect_timeout,
             "health_check_interval": 30,
+            # A Redlock master that is down must cost one refused connection,
+            # not retries; a single server gets one retry (scripts are idempotent).
+            "retry": Retry(NoBackoff(), 0 if self.redlock else 1),
         }
-        if self.redlock:
-            # A master that is down must cost one refused connection, not retries.
-            kwargs["retry"] = Retry(NoBackoff(), 0)
-        else:
-            kwargs["retry"] = Retry(NoBackoff(), 1)
         kwargs.update(self.client_kwargs)
         if self.cluster:
             return RedisCluster.from_url(location, **kwargs)
@@ -454,7 +575,13 @@ class RedisBackend(BaseLockBackend):
             with self._mutex:
                 if self._nodes is None:
                     self._nodes = [
-                        _Node(self._client_for(location), location) for location in self.locations
+                        _Node(
+                            self._client_for(location),
+                            location,
+                            dedicated=not location.startswith("django-redis:"),
+                            retries=0 if self.redlock else 1,
+                        )
+                        for location in self.locations
                     ]
                 nodes = self._nodes
         return nodes
@@ -463,6 +590,7 @@ class RedisBackend(BaseLockBackend):
         with self._mutex:
             nodes, self._nodes = self._nodes, None
         for node in nodes or ():
+            node.close()
             if not node.label.startswith("django-redis:"):
                 node.client.close()
 
@@ -475,14 +603,14 @@ class RedisBackend(BaseLockBackend):
 
     # --- keys -------------------------------------------------------------------------
 
-    def _keys(self, name: str) -> _Keys:
+    def _make_keys(self, name: str) -> _Keys:
         tag = self._tags[zlib.crc32(name.encode()) % self.shards if self.shards > 1 else 0]
         return _Keys(
             lock=f"{tag}:lock:{name}",
             fence=f"{tag}:fence",
-            meta=f"{tag}:meta",
             index=f"{tag}:idx",
             wake=f"{tag}:wake:{name}",
+            waiting=f"{tag}:waiting:{name}",
             queue=f"{tag}:q:{name}",
             queue_deadlines=f"{tag}:qt:{name}",
             signal_prefix=f"{tag}:sig:",
@@ -520,32 +648,43 @@ class RedisBackend(BaseLockBackend):
 
     # --- primitives -------------------------------------------------------------------
 
-    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | None:
+    def _acquire_call(self, name: str, owner: str, ttl: float, holder: str) -> Any:
         k = self._keys(name)
-        ttl_ms = _ms(ttl)
-        keys = [k.lock, k.fence, k.meta, k.index, k.queue, k.queue_deadlines]
-        args = [owner, ttl_ms, name, holder, "1" if self.fair else "", WAITER_LEASE_MS]
+        if self.fair:
+            keys = [k.lock, k.fence, k.index, k.queue, k.queue_deadlines]
+            args = [owner, _ms(ttl), name, holder, WAITER_LEASE_MS]
+            return lambda node: node.run(node.acquire_fair, keys, args)
+        keys = [k.lock, k.fence, k.index, k.waiting]
+        args = [owner, _ms(ttl), name, holder, WAITER_LEASE_MS]
+        return lambda node: node.run(node.acquire, keys, args)
+
+    def _release_call(self, name: str, owner: str) -> Any:
+        k = self._keys(name)
+        if self.fair:
+            keys = [k.lock, k.index, k.queue, k.queue_deadlines]
+            args = [owner, name, k.signal_prefix]
+            return lambda node: node.run(node.release_fair, keys, args)
+        keys = [k.lock, k.index, k.wake, k.waiting]
+        args = [owner, name]
+        return lambda node: node.run(node.release, keys, args)
+
+    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | None:
+        call = self._acquire_call(name, owner, ttl, holder)
         if not self.redlock:
-            result = int(self._single(name, lambda node: node.acquire(keys, args)))
+            result = int(self._single(name, call))
             if result > 0:
                 return result
             self._local.holder_pttl_ms = -result - 1
             return None
         started = time.monotonic()
-        results = self._on_each(name, lambda node: node.acquire(keys, args))
+        results = self._on_each(name, call)
         errors = [r for r in results if isinstance(r, BackendUnavailable)]
         tokens = [int(r) for r in results if not isinstance(r, Exception) and int(r) > 0]
         validity = ttl - (time.monotonic() - started) - self.drift(ttl)
         if len(tokens) >= self.quorum and validity > 0:
             return max(tokens)
         # Failed: undo everywhere (compare-and-delete is safe where we did not get it).
-        self._on_each(
-            name,
-            lambda node: node.release(
-                [k.lock, k.meta, k.index, k.wake, k.queue, k.queue_deadlines],
-                [owner, name, "", k.signal_prefix],
-            ),
-        )
+        self._on_each(name, self._release_call(name, owner))
         if len(errors) > len(results) - self.quorum:
             raise errors[0]
         refusals = [-int(r) - 1 for r in results if not isinstance(r, Exception) and int(r) < 0]
@@ -553,25 +692,25 @@ class RedisBackend(BaseLockBackend):
         return None
 
     def do_release(self, name: str, owner: str) -> bool:
-        k = self._keys(name)
-        keys = [k.lock, k.meta, k.index, k.wake, k.queue, k.queue_deadlines]
-        args = [owner, name, "1" if self.fair else "", k.signal_prefix]
-        return self._quorum_bool(name, lambda node: node.release(keys, args))
+        return self._quorum_bool(name, self._release_call(name, owner))
 
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
         k = self._keys(name)
         ttl_ms = _ms(ttl)
-        return self._quorum_bool(name, lambda node: node.extend([k.lock], [owner, ttl_ms]))
+        return self._quorum_bool(
+            name, lambda node: node.run(node.extend, [k.lock], [owner, ttl_ms])
+        )
 
     def do_check(self, name: str, owner: str) -> bool:
         lock_key = self._keys(name).lock
+        mine = f"{owner}:".encode()
         return self._quorum_bool(
-            name, lambda node: node.client.get(lock_key) in (owner, owner.encode())
+            name, lambda node: _bytes(node.command("GET", lock_key) or b"").startswith(mine)
         )
 
     def do_break(self, name: str) -> bool:
         k = self._keys(name)
-        keys = [k.lock, k.meta, k.index, k.wake, k.queue, k.queue_deadlines]
+        keys = [k.lock, k.index, k.wake, k.waiting, k.queue, k.queue_deadlines]
         args = [name, "1" if self.fair else "", k.signal_prefix]
         if not self.redlock:
             return bool(self._single(name, lambda node: node.break_(keys, args)))
@@ -598,7 +737,7 @@ class RedisBackend(BaseLockBackend):
             try:
                 for tag in self._tags:
                     reply = node.list(
-                        [f"{tag}:idx", f"{tag}:meta"],
+                        [f"{tag}:idx"],
                         [
                             low.encode("utf-8", "surrogateescape"),
                             high.encode("utf-8", "surrogateescape"),
@@ -620,7 +759,7 @@ class RedisBackend(BaseLockBackend):
         found = {}
         for i in range(1, len(reply), 3):
             name = _text(reply[i])
-            token_s, acquired_s, holder = _text(reply[i + 1]).split(":", 2)
+            _owner, token_s, acquired_s, holder = _text(reply[i + 1]).split(":", 3)
             pttl_ms = int(reply[i + 2])
             found[name] = LockInfo(
                 backend=self.alias,
@@ -684,3 +823,7 @@ class RedisBackend(BaseLockBackend):
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
