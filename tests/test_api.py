@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from typing import Any
 
@@ -197,3 +198,32 @@ def test_lock_repr_and_backend_shortcut(backend_alias: str, name: str) -> None:
     with via_backend as held:
         assert name in repr(held)
         assert str(held.token) in repr(held)
+
+
+@pytest.mark.parametrize(
+    "thread_name", ["MainThread", 'quote"and\\back', "ünï\u2028code", "a" * 300]
+)
+def test_fast_holder_json_matches_the_encoder(thread_name: str) -> None:
+    from django_dlock._validation import dump_holder, holder_json, holder_metadata
+
+    seen: list[tuple[Any, Any, str]] = []
+
+    def build() -> None:
+        holder = holder_metadata(12.5, None)
+        fast = json.loads(holder_json(holder, None))
+        seen.append((fast, json.loads(dump_holder(holder)), fast["thread"]))
+
+    thread = threading.Thread(target=build, name=thread_name)
+    thread.start()
+    thread.join()
+    [(fast, reference, name)] = seen
+    assert fast == reference
+    assert name == thread_name
+
+
+def test_owner_tokens_are_unique() -> None:
+    from django_dlock._validation import new_owner
+
+    owners = {new_owner() for _ in range(10_000)}
+    assert len(owners) == 10_000
+    assert all(len(o) == 32 for o in owners)
