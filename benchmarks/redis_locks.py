@@ -17,7 +17,8 @@ Uncontended: cycles/s of acquire + release by one process, the median of
 interleaved rounds, and the ratio to the floor measured in the same rounds.
 Contended: 4 and 16 processes for a fixed window at hold times of 0 and 1 ms;
 cycles/s, wait (request to grant) mean/p50/p99/max, and owner changes per
-1,000 acquisitions (1,000 would mean the lock changed hands every time).
+1,000 acquisitions (1,000 would mean the lock changed hands every time), and
+the fewest turns any one process got against an even share (starvation).
 """
 
 from __future__ import annotations
@@ -190,6 +191,9 @@ def contended(
         "wait_max_ms": waits[-1],
         "owner_changes_per_1000": changes / n * 1000,
         "owner_changes_of_max": changes / (n - 1) if n > 1 else 0.0,
+        # Starvation shows as one process getting far fewer turns than the rest.
+        "fewest_per_process": min(len(part) for part in parts),
+        "fair_share": n / procs,
     }
 
 
@@ -243,7 +247,7 @@ def main() -> None:
                     rows = [
                         [
                             "implementation", "cycles/s", "wait mean ms", "p50", "p99",
-                            "max", "owner changes /1000",
+                            "max", "owner changes /1000", "fewest turns / fair share",
                         ]
                     ]  # fmt: skip
                     for kind in IMPLS:
@@ -260,6 +264,7 @@ def main() -> None:
                                 f"{r['wait_p99_ms']:.2f}",
                                 f"{r['wait_max_ms']:.1f}",
                                 f"{r['owner_changes_per_1000']:.0f}",
+                                f"{r['fewest_per_process']} / {r['fair_share']:.0f}",
                             ]
                         )
                     print(table(rows))

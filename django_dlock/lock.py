@@ -90,7 +90,8 @@ class HeldLock:
         owner: str,
         token: int,
         ttl: float,
-        sent: float,
+        expires: float,
+        lease: float,
         holder: dict[str, Any],
         renew: bool,
     ) -> HeldLock:
@@ -104,13 +105,14 @@ class HeldLock:
         self.lost_reason = None
         self._mutex = threading.Lock()
         self._state = _HELD
-        # The lease cannot outlive sent + ttl by our clock: the service started
-        # counting no earlier than we sent the request.
-        self._expires = sent + ttl - backend.drift(ttl)
+        # ``expires`` is when the lease ends at the earliest by our clock (for a
+        # plain grant: when we sent the request, plus the TTL, since the
+        # service started counting no earlier than that).
+        self._expires = expires - backend.drift(lease)
         self._renew_enabled = renew
         self._watch_generation = 0
         if renew:
-            get_watchdog().schedule(self, ttl / 3)
+            get_watchdog().schedule(self, min(ttl, lease) / 3)
         if lock_acquired.receivers:
             try:
                 lock_acquired.send(

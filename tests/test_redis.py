@@ -21,6 +21,7 @@ import redis
 from django.test import override_settings
 
 from django_dlock import BackendUnavailable, LockTimeout, lock, locks
+from django_dlock.backends.base import Grant
 from django_dlock.backends.redis import WAITER_LEASE_MS, RedisBackend
 from django_dlock.checks import check_backends
 from tests.servers import RedisServer, free_port, redis_cli, wait_for
@@ -375,8 +376,12 @@ def test_a_retried_acquire_returns_the_token_it_won(name: str) -> None:
     assert isinstance(backend, RedisBackend)
     first = backend.do_acquire(name, "owner-a", 30, "{}")
     again = backend.do_acquire(name, "owner-a", 30, "{}")
+    answered = time.monotonic()
     other = backend.do_acquire(name, "owner-b", 30, "{}")
-    assert first is not None and again == first
+    assert isinstance(first, int)
+    assert isinstance(again, Grant) and again.token == first
+    # The retry reports the lease that is left; it does not start a new one.
+    assert 29 < again.lease <= 30 and again.expires <= answered + again.lease
     assert other is None
     assert backend.do_release(name, "owner-a")
 
@@ -388,3 +393,84 @@ def test_scripts_are_reloaded_after_script_flush(redis_servers: dict[str, Any], 
     with lock(name, backend="redis") as held:
         held.extend(10)
         held.ensure()
+
+
+def _fair() -> RedisBackend:
+    backend = locks["redis-fair"]
+    assert isinstance(backend, RedisBackend)
+    return backend
+
+
+def _holder_of(backend: RedisBackend, name: str) -> str | None:
+    value = redis.Redis.from_url(backend.locations[0], decode_responses=True).get(
+        backend._keys(name).lock
+    )
+    return value.split(":", 1)[0] if value else None
+
+
+def test_fair_release_hands_the_lock_to_the_first_waiter(name: str) -> None:
+    backend = _fair()
+    assert isinstance(backend.do_acquire(name, "holder", 30, "{}"), int)
+    assert backend.do_acquire(name, "first", 30, '{"who":"first"}') is None
+    assert backend.do_acquire(name, "second", 30, "{}") is None
+    assert backend.do_release(name, "holder")
+    # Never free in between: the release itself granted it to the first waiter.
+    assert _holder_of(backend, name) == "first"
+    [info] = backend.list(name)
+    assert info.holder == {"who": "first"}
+    assert info.expires_in <= WAITER_LEASE_MS / 1000
+    assert backend.do_release(name, "first")
+    assert _holder_of(backend, name) == "second"
+    assert backend.do_release(name, "second")
+    assert _holder_of(backend, name) is None
+
+
+def test_fair_waiter_granted_while_giving_up_passes_the_lock_on(name: str) -> None:
+    backend = _fair()
+    backend.do_acquire(name, "holder", 30, "{}")
+    backend.do_acquire(name, "gives-up", 30, "{}")
+    backend.do_acquire(name, "patient", 30, "{}")
+    backend.do_release(name, "holder")
+    assert _holder_of(backend, name) == "gives-up"
+    backend.do_abandon(name, "gives-up")
+    assert _holder_of(backend, name) == "patient"
+    backend.do_release(name, "patient")
+
+
+def test_fair_handed_over_lease_is_extended_to_the_full_ttl(name: str) -> None:
+    holder = lock(name, backend="redis-fair").acquire()
+    got: list[Any] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(lock(name, backend="redis-fair", ttl=30, timeout=30).acquire())
+    )
+    waiter.start()
+    wait_for(lambda: len(_queue(name)) == 1, 10, "the waiter queued")
+    holder.release()
+    waiter.join(30)
+    [held] = got
+    client = redis.Redis.from_url(_fair().locations[0])
+    assert client.pttl(_fair()._keys(name).lock) <= WAITER_LEASE_MS
+    # The watchdog renews at a third of the short lease, with the full TTL.
+    wait_for(lambda: client.pttl(_fair()._keys(name).lock) > WAITER_LEASE_MS, 10, "extension")
+    held.ensure()
+    assert held.token > holder.token
+    held.release()
+
+
+def test_fair_handed_over_lease_without_renewal_is_extended_at_once(name: str) -> None:
+    holder = lock(name, backend="redis-fair").acquire()
+    got: list[Any] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(
+            lock(name, backend="redis-fair", ttl=30, timeout=30, renew=False).acquire()
+        )
+    )
+    waiter.start()
+    wait_for(lambda: len(_queue(name)) == 1, 10, "the waiter queued")
+    holder.release()
+    waiter.join(30)
+    [held] = got
+    client = redis.Redis.from_url(_fair().locations[0])
+    assert client.pttl(_fair()._keys(name).lock) > WAITER_LEASE_MS
+    assert held.expires_in > WAITER_LEASE_MS / 1000
+    held.release()

@@ -11,7 +11,9 @@ single-attempt primitives, as redis-py's ``Lock.acquire`` delegates to
     One atomic attempt. If the lock is free or its lease has expired by the
     service's clock, grant it to ``owner`` for ``ttl`` seconds, advance the
     per-name fencing counter and store ``holder`` (JSON text); return the new
-    fencing token. Otherwise return None.
+    fencing token. Otherwise return None. A backend that learns of a lease
+    granted some other way (handed over by the previous holder, or found on a
+    retry) returns a :class:`Grant` saying when that lease ends.
 ``do_release(name, owner)`` / ``do_extend(name, owner, ttl)`` / ``do_check(name, owner)``
     Compare the owner on the server, atomically with the change; return
     whether ``owner`` held a live lease.
@@ -61,6 +63,20 @@ logger = logging.getLogger("django_dlock")
 BACKOFF_FIRST = 0.002
 BACKOFF_FACTOR = 2.0
 BACKOFF_CEILING = 0.1
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A lease whose start the backend knows better than "when the attempt was sent".
+
+    ``expires`` is a ``time.monotonic()`` instant no later than the lease's
+    end, and ``lease`` its length in seconds (it may be shorter than the TTL
+    asked for; the watchdog then extends it).
+    """
+
+    token: int
+    expires: float
+    lease: float
 
 
 @dataclass(frozen=True)
@@ -139,7 +155,7 @@ class BaseLockBackend:
 
     # --- primitives -----------------------------------------------------------------
 
-    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | None:
+    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | Grant | None:
         raise NotImplementedError
 
     def do_release(self, name: str, owner: str) -> bool:
@@ -200,8 +216,8 @@ class BaseLockBackend:
         try:
             while True:
                 sent = time.monotonic()
-                token = self.do_acquire(name, owner, ttl, holder_text)
-                if token is not None:
+                result = self.do_acquire(name, owner, ttl, holder_text)
+                if result is not None:
                     break
                 refused = True
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -218,7 +234,14 @@ class BaseLockBackend:
             if refused:
                 self._abandon_quietly(name, owner)
             raise
-        return HeldLock._granted(self, name, owner, token, ttl, sent, holder, renew)
+        if isinstance(result, Grant):
+            token, expires, lease = result.token, result.expires, result.lease
+        else:
+            token, expires, lease = result, sent + ttl, ttl
+        held = HeldLock._granted(self, name, owner, token, ttl, expires, lease, holder, renew)
+        if lease < ttl and not renew:
+            held.extend(ttl)  # nobody else will bring it up to the TTL asked for
+        return held
 
     def drift(self, ttl: float) -> float:
         """Seconds of a ``ttl`` lease that a holder must not count on."""

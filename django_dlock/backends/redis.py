@@ -57,7 +57,7 @@ from django.core import checks
 
 from .._validation import load_holder, micros_to_datetime
 from ..exceptions import BackendUnavailable, LockConfigurationError
-from .base import BaseLockBackend, LockInfo
+from .base import BaseLockBackend, Grant, LockInfo
 
 try:
     import redis
@@ -88,34 +88,6 @@ local now_t = redis.call('time')
 local now_us = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
 """
 
-# Shared: pop waiters whose deadline passed off the head of the fair queue and
-# return the live head (or false).
-_LIVE_HEAD = """
-local function live_head(q, qt, now_ms)
-    while true do
-        local head = redis.call('lindex', q, 0)
-        if not head then return false end
-        local deadline = redis.call('zscore', qt, head)
-        if deadline and tonumber(deadline) > now_ms then return head end
-        redis.call('lpop', q)
-        redis.call('zrem', qt, head)
-    end
-end
-"""
-
-# Shared: push to the signal list of the first live waiter in the fair queue.
-_WAKE_HEAD = """
-local function wake_head(q, qt, sigprefix)
-    local t = redis.call('time')
-    local head = live_head(q, qt, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-    if head then
-        local sig = sigprefix .. head
-        redis.call('rpush', sig, 1)
-        redis.call('pexpire', sig, SIGNAL_TTL_MS)
-    end
-end
-""".replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
-
 # Acquire, not fair: one attempt, one round trip.
 # KEYS[1] lock, KEYS[2] fence hash, KEYS[3] index zset, KEYS[4] "someone waits" flag
 # ARGV[1] owner token, ARGV[2] ttl ms, ARGV[3] lock name, ARGV[4] holder JSON,
@@ -124,7 +96,7 @@ end
 # The lock's value becomes "owner:token:acquired_us:holder JSON".
 # Returns the new fencing token (> 0), or -(holder's PTTL + 1) when refused.
 # Idempotent: if ARGV[1] already holds the lock (a retry after a lost reply),
-# returns the token it was granted.
+# returns {its token, the lease's PTTL}.
 ACQUIRE = (
     _NOW_US
     + """
@@ -134,7 +106,7 @@ local value = ARGV[1] .. ':' .. token_s .. ':' .. string.format('%d', now_us) ..
 if not redis.call('set', KEYS[1], value, 'NX', 'PX', ARGV[2]) then
     local current = redis.call('get', KEYS[1])
     if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
-        return tonumber(string.match(current, '^[^:]*:(%d+):'))
+        return {tonumber(string.match(current, '^[^:]*:(%d+):')), redis.call('pttl', KEYS[1])}
     end
     redis.call('set', KEYS[4], 1, 'PX', ARGV[5])
     return -(math.max(redis.call('pttl', KEYS[1]), 0) + 1)
@@ -145,45 +117,147 @@ return token
 """
 )
 
-# Acquire, fair: granted only if the lock is free and no live waiter is ahead.
-# KEYS[1] lock, KEYS[2] fence hash, KEYS[3] index zset, KEYS[4] queue list,
-# KEYS[5] queue deadlines zset
+# The fair scripts share one layout:
+# KEYS[1] lock, KEYS[2] fence hash, KEYS[3] index zset, KEYS[4] queue list
+# (waiter ids in arrival order), KEYS[5] queue deadlines zset (waiter -> ms by
+# the server clock), KEYS[6] queue info hash (waiter -> "ttl_ms:holder JSON")
 # ARGV[1] owner token (also the waiter id), ARGV[2] ttl ms, ARGV[3] lock name,
-# ARGV[4] holder JSON, ARGV[5] waiter lease ms
-# Returns the new fencing token (> 0), or -(holder's PTTL + 1) when refused
-# (-1 when the lock is free but an earlier waiter is first in line). A refused
-# caller is queued (once) and its deadline pushed out by the waiter lease.
-# Idempotent like ACQUIRE.
-ACQUIRE_FAIR = (
-    _NOW_US
-    + _LIVE_HEAD
-    + """
-local now_ms = math.floor(now_us / 1000)
-local current = redis.call('get', KEYS[1])
-if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
-    return tonumber(string.match(current, '^[^:]*:(%d+):'))
+# ARGV[4] holder JSON, ARGV[5] waiter lease ms, ARGV[6] signal key prefix
+#
+# A release hands the lock straight to the first live waiter, so it is never
+# idle between holders: the waiter is granted min(its ttl, the waiter lease),
+# which bounds the stall if it died in the last moments before its turn, and
+# its watchdog extends that to its full TTL. The grant is announced on the
+# waiter's signal list as "token:granted_us:lease_ms".
+_FAIR = """
+local now_t = redis.call('time')
+local now_us = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
+
+local function live_head()
+    local now_ms = math.floor(now_us / 1000)
+    while true do
+        local head = redis.call('lindex', KEYS[4], 0)
+        if not head then return false end
+        local deadline = redis.call('zscore', KEYS[5], head)
+        if deadline and tonumber(deadline) > now_ms then return head end
+        redis.call('lpop', KEYS[4])
+        redis.call('zrem', KEYS[5], head)
+        redis.call('hdel', KEYS[6], head)
+    end
 end
-local head = live_head(KEYS[4], KEYS[5], now_ms)
+
+local function grant(owner, ttl_ms, holder)
+    local token = math.max(tonumber(redis.call('hget', KEYS[2], ARGV[3]) or 0) + 1, now_us)
+    local token_s = string.format('%d', token)
+    redis.call('hset', KEYS[2], ARGV[3], token_s)
+    local value = owner .. ':' .. token_s .. ':' .. string.format('%d', now_us) .. ':' .. holder
+    redis.call('set', KEYS[1], value, 'PX', ttl_ms)
+    redis.call('zadd', KEYS[3], 0, ARGV[3])
+    return token
+end
+
+local function hand_off()
+    while true do
+        local head = live_head()
+        if not head then return end
+        redis.call('lpop', KEYS[4])
+        redis.call('zrem', KEYS[5], head)
+        local info = redis.call('hget', KEYS[6], head)
+        redis.call('hdel', KEYS[6], head)
+        if info then
+            local sep = string.find(info, ':', 1, true)
+            local lease = math.min(tonumber(string.sub(info, 1, sep - 1)), tonumber(ARGV[5]))
+            local token = grant(head, lease, string.sub(info, sep + 1))
+            local sig = ARGV[6] .. head
+            redis.call('rpush', sig, string.format('%d', token) .. ':' ..
+                string.format('%d', now_us) .. ':' .. lease)
+            redis.call('pexpire', sig, SIGNAL_TTL_MS)
+            return
+        end
+    end
+end
+
+local function mine()
+    local value = redis.call('get', KEYS[1])
+    return value and string.sub(value, 1, #ARGV[1] + 1) == ARGV[1] .. ':' and value
+end
+""".replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
+
+# Acquire, fair: granted only if the lock is free and no live waiter is ahead.
+# Returns the new token (> 0); {token, PTTL} if ARGV[1] holds it already (a
+# retry, or a hand-off it has not seen yet); or, refused, {-(holder's PTTL +
+# 1), server time in us}, after queueing the caller (once) and pushing its
+# deadline out by the waiter lease.
+ACQUIRE_FAIR = (
+    _FAIR
+    + """
+local current = mine()
+if current then
+    return {tonumber(string.match(current, '^[^:]*:(%d+):')), redis.call('pttl', KEYS[1])}
+end
+local head = live_head()
 local pttl = redis.call('pttl', KEYS[1])
 if pttl ~= -2 or (head and head ~= ARGV[1]) then
-    if redis.call('zadd', KEYS[5], now_ms + tonumber(ARGV[5]), ARGV[1]) == 1 then
+    local lease = tonumber(ARGV[5])
+    if redis.call('zadd', KEYS[5], math.floor(now_us / 1000) + lease, ARGV[1]) == 1 then
         redis.call('rpush', KEYS[4], ARGV[1])
+        redis.call('hset', KEYS[6], ARGV[1], ARGV[2] .. ':' .. ARGV[4])
     end
-    redis.call('pexpire', KEYS[4], 2 * tonumber(ARGV[5]))
-    redis.call('pexpire', KEYS[5], 2 * tonumber(ARGV[5]))
-    return -(math.max(pttl, 0) + 1)
+    for i = 4, 6 do redis.call('pexpire', KEYS[i], 2 * lease) end
+    return {-(math.max(pttl, 0) + 1), string.format('%d', now_us)}
 end
 if head then
     redis.call('lpop', KEYS[4])
     redis.call('zrem', KEYS[5], ARGV[1])
+    redis.call('hdel', KEYS[6], ARGV[1])
 end
-local token = math.max(tonumber(redis.call('hget', KEYS[2], ARGV[3]) or 0) + 1, now_us)
-local token_s = string.format('%d', token)
-redis.call('hset', KEYS[2], ARGV[3], token_s)
-local value = ARGV[1] .. ':' .. token_s .. ':' .. string.format('%d', now_us) .. ':' .. ARGV[4]
-redis.call('set', KEYS[1], value, 'PX', ARGV[2])
-redis.call('zadd', KEYS[3], 0, ARGV[3])
-return token
+return grant(ARGV[1], ARGV[2], ARGV[4])
+"""
+)
+
+# Release, fair: compare the owner, delete, and hand off to the first live waiter.
+# Returns 1 if ARGV[1] held the lock, else 0.
+RELEASE_FAIR = (
+    _FAIR
+    + """
+if not mine() then return 0 end
+redis.call('del', KEYS[1])
+redis.call('zrem', KEYS[3], ARGV[3])
+hand_off()
+return 1
+"""
+)
+
+# Break, fair: delete whoever holds it and hand off. Returns 1 if it was held.
+BREAK_FAIR = (
+    _FAIR
+    + """
+local held = redis.call('del', KEYS[1])
+redis.call('zrem', KEYS[3], ARGV[3])
+if held == 1 then hand_off() end
+return held
+"""
+)
+
+# Abandon: a fair waiter gives up. If it was granted the lock meanwhile, it
+# releases it; it leaves the queue; and if the lock is free the turn passes
+# on, so the queue does not stall. KEYS[7] is the waiter's signal list.
+# Returns 1 if the waiter had been granted the lock, else 0.
+ABANDON = (
+    _FAIR
+    + """
+local granted = 0
+if mine() then
+    redis.call('del', KEYS[1])
+    redis.call('zrem', KEYS[3], ARGV[3])
+    granted = 1
+end
+redis.call('lrem', KEYS[4], 0, ARGV[1])
+redis.call('zrem', KEYS[5], ARGV[1])
+redis.call('hdel', KEYS[6], ARGV[1])
+redis.call('del', KEYS[7])
+if redis.call('exists', KEYS[1]) == 0 then hand_off() end
+return granted
 """
 )
 
@@ -211,23 +285,6 @@ return 1
 """.replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
 )
 
-# Release, fair: compare the owner, delete, drop the index entry, and push to
-# the signal list of the first live waiter.
-# KEYS[1] lock, KEYS[2] index zset, KEYS[3] queue list, KEYS[4] queue deadlines
-# ARGV[1] owner token, ARGV[2] lock name, ARGV[3] signal key prefix "{tag}:sig:"
-# Returns 1 if ARGV[1] held the lock, else 0.
-RELEASE_FAIR = (
-    _OWNED
-    + _LIVE_HEAD
-    + _WAKE_HEAD
-    + """
-redis.call('del', KEYS[1])
-redis.call('zrem', KEYS[2], ARGV[2])
-wake_head(KEYS[3], KEYS[4], ARGV[3])
-return 1
-"""
-)
-
 # Extend: compare the owner, then the lease runs ARGV[2] ms from now.
 # KEYS[1] lock; ARGV[1] owner token, ARGV[2] ttl ms
 # Returns 1 if ARGV[1] held the lock, else 0.
@@ -239,46 +296,18 @@ return 1
 """
 )
 
-# Break: delete whoever holds it and wake the next waiter (fair: the queue's
-# head; not fair: every waiter re-checks, as after a release).
-# KEYS[1] lock, KEYS[2] index zset, KEYS[3] wake list, KEYS[4] "someone waits"
-# flag, KEYS[5] queue list, KEYS[6] queue deadlines
-# ARGV[1] lock name, ARGV[2] "1" for fair, ARGV[3] signal key prefix
-# Returns 1 if the lock was held, else 0.
-BREAK = (
-    _LIVE_HEAD
-    + _WAKE_HEAD
-    + """
+# Break, not fair: delete whoever holds it; wake a waiter if one flagged itself.
+# KEYS[1] lock, KEYS[2] index zset, KEYS[3] wake list, KEYS[4] "someone waits" flag
+# ARGV[1] lock name. Returns 1 if the lock was held, else 0.
+BREAK = """
 local held = redis.call('del', KEYS[1])
 redis.call('zrem', KEYS[2], ARGV[1])
-if held == 1 then
-    if ARGV[2] == '1' then
-        wake_head(KEYS[5], KEYS[6], ARGV[3])
-    elseif redis.call('exists', KEYS[4]) == 1 then
-        redis.call('rpush', KEYS[3], 1)
-        redis.call('pexpire', KEYS[3], SIGNAL_TTL_MS)
-    end
+if held == 1 and redis.call('exists', KEYS[4]) == 1 then
+    redis.call('rpush', KEYS[3], 1)
+    redis.call('pexpire', KEYS[3], SIGNAL_TTL_MS)
 end
 return held
 """.replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
-)
-
-# Abandon: a fair waiter gives up. Leave the queue, drop its signal list, and
-# if the lock is free pass the turn on so the queue does not stall.
-# KEYS[1] lock, KEYS[2] fair queue, KEYS[3] fair queue deadlines, KEYS[4] the
-# waiter's signal list; ARGV[1] owner token (waiter id), ARGV[2] signal key prefix
-# Returns the number of queue entries removed.
-ABANDON = (
-    _LIVE_HEAD
-    + _WAKE_HEAD
-    + """
-local removed = redis.call('lrem', KEYS[2], 0, ARGV[1])
-redis.call('zrem', KEYS[3], ARGV[1])
-redis.call('del', KEYS[4])
-if redis.call('exists', KEYS[1]) == 0 then wake_head(KEYS[2], KEYS[3], ARGV[2]) end
-return removed
-"""
-)
 
 # List one shard: the index entries in a lexicographic range whose lock is
 # still live, dropping entries whose lease expired. The lock keys are built
@@ -318,6 +347,7 @@ class _Keys:
     waiting: str
     queue: str
     queue_deadlines: str
+    queue_info: str
     signal_prefix: str
 
 
@@ -358,6 +388,7 @@ class _Node:
         self.release_fair = Script(client, RELEASE_FAIR)
         self.extend = Script(client, EXTEND)
         self.break_ = Script(client, BREAK)
+        self.break_fair = Script(client, BREAK_FAIR)
         self.abandon = Script(client, ABANDON)
         self.list = Script(client, LIST)
 
@@ -613,6 +644,7 @@ class RedisBackend(BaseLockBackend):
             waiting=f"{tag}:waiting:{name}",
             queue=f"{tag}:q:{name}",
             queue_deadlines=f"{tag}:qt:{name}",
+            queue_info=f"{tag}:qi:{name}",
             signal_prefix=f"{tag}:sig:",
         )
 
@@ -648,11 +680,14 @@ class RedisBackend(BaseLockBackend):
 
     # --- primitives -------------------------------------------------------------------
 
+    def _fair_keys(self, k: _Keys) -> list[str]:
+        return [k.lock, k.fence, k.index, k.queue, k.queue_deadlines, k.queue_info]
+
     def _acquire_call(self, name: str, owner: str, ttl: float, holder: str) -> Any:
         k = self._keys(name)
         if self.fair:
-            keys = [k.lock, k.fence, k.index, k.queue, k.queue_deadlines]
-            args = [owner, _ms(ttl), name, holder, WAITER_LEASE_MS]
+            keys = self._fair_keys(k)
+            args = [owner, _ms(ttl), name, holder, WAITER_LEASE_MS, k.signal_prefix]
             return lambda node: node.run(node.acquire_fair, keys, args)
         keys = [k.lock, k.fence, k.index, k.waiting]
         args = [owner, _ms(ttl), name, holder, WAITER_LEASE_MS]
@@ -661,34 +696,57 @@ class RedisBackend(BaseLockBackend):
     def _release_call(self, name: str, owner: str) -> Any:
         k = self._keys(name)
         if self.fair:
-            keys = [k.lock, k.index, k.queue, k.queue_deadlines]
-            args = [owner, name, k.signal_prefix]
+            keys = self._fair_keys(k)
+            args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix]
             return lambda node: node.run(node.release_fair, keys, args)
         keys = [k.lock, k.index, k.wake, k.waiting]
         args = [owner, name]
         return lambda node: node.run(node.release, keys, args)
 
-    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | None:
-        call = self._acquire_call(name, owner, ttl, holder)
-        if not self.redlock:
-            result = int(self._single(name, call))
-            if result > 0:
-                return result
-            self._local.holder_pttl_ms = -result - 1
+    def _outcome(self, reply: Any, sent: float) -> int | Grant | None:
+        """Read an acquire reply; remember a refusal's hints for wait()."""
+        if isinstance(reply, list):
+            first, second = int(reply[0]), int(reply[1])
+            if first > 0:
+                # Ours already: the service had PTTL left when it answered,
+                # which was no earlier than `sent`.
+                return Grant(first, sent + second / 1000, second / 1000)
+            self._local.holder_pttl_ms = -first - 1
+            self._local.refused = (sent, second)  # fair: (our clock, server clock in us)
             return None
-        started = time.monotonic()
+        result = int(reply)
+        if result > 0:
+            return result
+        self._local.holder_pttl_ms = -result - 1
+        return None
+
+    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | Grant | None:
+        handed: tuple[str, Grant] | None = getattr(self._local, "handed", None)
+        if handed is not None and handed[0] == owner:
+            self._local.handed = None
+            return handed[1]  # wait() saw the previous holder hand the lock over
+        call = self._acquire_call(name, owner, ttl, holder)
+        sent = time.monotonic()
+        if not self.redlock:
+            return self._outcome(self._single(name, call), sent)
         results = self._on_each(name, call)
         errors = [r for r in results if isinstance(r, BackendUnavailable)]
-        tokens = [int(r) for r in results if not isinstance(r, Exception) and int(r) > 0]
-        validity = ttl - (time.monotonic() - started) - self.drift(ttl)
-        if len(tokens) >= self.quorum and validity > 0:
-            return max(tokens)
+        outcomes = [self._outcome(r, sent) for r in results if not isinstance(r, Exception)]
+        granted = [o for o in outcomes if o is not None]
+        validity = ttl - (time.monotonic() - sent) - self.drift(ttl)
+        if len(granted) >= self.quorum and validity > 0:
+            tokens = [o.token if isinstance(o, Grant) else o for o in granted]
+            expiries = [o.expires if isinstance(o, Grant) else sent + ttl for o in granted]
+            lease = min(o.lease if isinstance(o, Grant) else ttl for o in granted)
+            # The lease holds while a majority holds it: until the quorum-th
+            # earliest expiry counted from the latest.
+            return Grant(max(tokens), sorted(expiries)[-self.quorum], lease)
         # Failed: undo everywhere (compare-and-delete is safe where we did not get it).
         self._on_each(name, self._release_call(name, owner))
         if len(errors) > len(results) - self.quorum:
             raise errors[0]
-        refusals = [-int(r) - 1 for r in results if not isinstance(r, Exception) and int(r) < 0]
-        self._local.holder_pttl_ms = min(refusals) if refusals else 0
+        refusals = [int(r) for r in results if not isinstance(r, (Exception, list)) and int(r) < 0]
+        self._local.holder_pttl_ms = -max(refusals) - 1 if refusals else 0
         return None
 
     def do_release(self, name: str, owner: str) -> bool:
@@ -710,24 +768,24 @@ class RedisBackend(BaseLockBackend):
 
     def do_break(self, name: str) -> bool:
         k = self._keys(name)
-        keys = [k.lock, k.index, k.wake, k.waiting, k.queue, k.queue_deadlines]
-        args = [name, "1" if self.fair else "", k.signal_prefix]
+        if self.fair:
+            keys = self._fair_keys(k)
+            args = ["", "", name, "", WAITER_LEASE_MS, k.signal_prefix]
+            return bool(self._single(name, lambda node: node.break_fair(keys, args)))
+        keys = [k.lock, k.index, k.wake, k.waiting]
         if not self.redlock:
-            return bool(self._single(name, lambda node: node.break_(keys, args)))
-        results = self._on_each(name, lambda node: node.break_(keys, args))
+            return bool(self._single(name, lambda node: node.break_(keys, [name])))
+        results = self._on_each(name, lambda node: node.break_(keys, [name]))
         return any(r == 1 for r in results if not isinstance(r, Exception))
 
     def do_abandon(self, name: str, owner: str) -> None:
         if not self.fair:
             return
+        self._local.handed = None
         k = self._keys(name)
-        self._single(
-            name,
-            lambda node: node.abandon(
-                [k.lock, k.queue, k.queue_deadlines, k.signal_prefix + owner],
-                [owner, k.signal_prefix],
-            ),
-        )
+        keys = [*self._fair_keys(k), k.signal_prefix + owner]
+        args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix]
+        self._single(name, lambda node: node.abandon(keys, args))
 
     def do_list(self, prefix: str) -> list[LockInfo]:
         low, high = _lex_range(prefix)
@@ -800,7 +858,8 @@ class RedisBackend(BaseLockBackend):
 
         The fallback is never longer than half the holder's remaining lease (or
         that lease plus a millisecond when it is short), nor than WAIT_CAP, so a
-        lost wake-up or a holder that died cannot strand a waiter.
+        lost wake-up or a holder that died cannot strand a waiter. In fair
+        mode the wake-up is the hand-over itself: "token:granted_us:lease_ms".
         """
         holder_ms = getattr(self._local, "holder_pttl_ms", 0)
         fallback = max(holder_ms / 2000, min(holder_ms / 1000 + 0.001, 0.05))
@@ -814,11 +873,23 @@ class RedisBackend(BaseLockBackend):
         key = k.signal_prefix + owner if self.fair else k.wake
         for node in nodes:
             try:
-                node.client.blpop([key], timeout=timeout)
-                return
+                popped = node.client.blpop([key], timeout=timeout)
             except RedisError:
                 continue  # Redlock: that master is down; block on the next one
+            if popped and self.fair:
+                self._handed_over(owner, _text(popped[1]))
+            return
         time.sleep(timeout)
+
+    def _handed_over(self, owner: str, signal: str) -> None:
+        token, granted_us, lease_ms = (int(part) for part in signal.split(":"))
+        sent, server_us = self._local.refused
+        # Our refused attempt was answered at server time server_us, at a
+        # moment of ours no earlier than `sent`; the grant came granted_us -
+        # server_us later on the server's clock, so no earlier than this:
+        granted = sent + (granted_us - server_us) / 1_000_000
+        lease = lease_ms / 1000
+        self._local.handed = (owner, Grant(token, granted + lease, lease))
 
 
 def _text(value: Any) -> str:
