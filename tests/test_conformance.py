@@ -428,3 +428,12 @@ def test_waiting_does_not_spin(
     assert 1 <= attempts <= 40, attempts
     if backend.wakes_waiters:
         assert attempts <= 3, attempts
+
+
+def test_waiter_is_not_stranded_when_the_holder_never_releases(
+    backend_alias: str, name: str
+) -> None:
+    """A holder that dies sends no wake-up; its lease running out must free the waiter."""
+    gone = lock(name, backend=backend_alias, ttl=SHORT_TTL, renew=False).acquire()
+    with lock(name, backend=backend_alias, timeout=15) as successor:
+        assert successor.token > gone.token

@@ -474,3 +474,53 @@ def test_fair_handed_over_lease_without_renewal_is_extended_at_once(name: str) -
     assert client.pttl(_fair()._keys(name).lock) > WAITER_LEASE_MS
     assert held.expires_in > WAITER_LEASE_MS / 1000
     held.release()
+
+
+def test_unfair_waiter_that_waited_too_long_is_queued_and_served_next(name: str) -> None:
+    backend = locks["redis"]
+    assert isinstance(backend, RedisBackend)
+    assert isinstance(backend.do_acquire(name, "holder", 0.3, "{}"), int)
+    assert backend.do_acquire(name, "starving", 30, "{}") is None
+    backend._local.since = ("starving", time.monotonic() - 1)  # as if it had waited 1 s
+    assert backend.do_acquire(name, "starving", 30, "{}") is None
+    assert backend._local.queued[0] == "starving"
+    time.sleep(0.5)  # the holder's lease runs out without a release
+    # The lock is free, but a newcomer may not barge ahead of the queued waiter.
+    assert backend.do_acquire(name, "newcomer", 30, "{}") is None
+    granted = backend.do_acquire(name, "starving", 30, "{}")
+    assert isinstance(granted, int)
+    assert backend.do_release(name, "starving")
+
+
+def test_unfair_release_hands_over_to_a_queued_waiter(name: str) -> None:
+    backend = locks["redis"]
+    assert isinstance(backend, RedisBackend)
+    backend.do_acquire(name, "holder", 30, "{}")
+    backend.do_acquire(name, "starving", 30, "{}")
+    backend._local.since = ("starving", time.monotonic() - 1)
+    backend.do_acquire(name, "starving", 30, "{}")
+    assert backend.do_release(name, "holder")
+    value = redis.Redis.from_url(backend.locations[0], decode_responses=True).get(
+        backend._keys(name).lock
+    )
+    assert value.split(":", 1)[0] == "starving"
+    assert backend.do_release(name, "starving")
+
+
+@pytest.mark.parametrize("alias", ["redis", "redis-fair"])
+def test_no_thread_starves(alias: str, name: str) -> None:
+    turns = dict.fromkeys(range(8), 0)
+    stop = time.monotonic() + 2.0
+
+    def worker(i: int) -> None:
+        while time.monotonic() < stop:
+            with lock(name, backend=alias, timeout=30):
+                turns[i] += 1
+                time.sleep(0.001)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert min(turns.values()) >= 1, turns

@@ -81,6 +81,9 @@ WAIT_CAP = 1.0
 WAITER_LEASE_MS = 3000
 #: How long a wake-up element survives if nobody pops it.
 SIGNAL_TTL_MS = 2000
+#: Without ``fair``, a waiter that has waited this long joins the queue, and
+#: from then on nobody may barge ahead of it (Go's sync.Mutex starvation mode).
+STARVE_AFTER = 0.1
 
 # Shared by the scripts below: the server clock in microseconds.
 _NOW_US = """
@@ -88,48 +91,29 @@ local now_t = redis.call('time')
 local now_us = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
 """
 
-# Acquire, not fair: one attempt, one round trip.
-# KEYS[1] lock, KEYS[2] fence hash, KEYS[3] index zset, KEYS[4] "someone waits" flag
-# ARGV[1] owner token, ARGV[2] ttl ms, ARGV[3] lock name, ARGV[4] holder JSON,
-# ARGV[5] how long the "someone waits" flag lasts (ms)
-# The token is computed first and the counter advanced only if SET NX wins.
-# The lock's value becomes "owner:token:acquired_us:holder JSON".
-# Returns the new fencing token (> 0), or -(holder's PTTL + 1) when refused.
-# Idempotent: if ARGV[1] already holds the lock (a retry after a lost reply),
-# returns {its token, the lease's PTTL}.
-ACQUIRE = (
-    _NOW_US
-    + """
-local token = math.max(tonumber(redis.call('hget', KEYS[2], ARGV[3]) or 0) + 1, now_us)
-local token_s = string.format('%d', token)
-local value = ARGV[1] .. ':' .. token_s .. ':' .. string.format('%d', now_us) .. ':' .. ARGV[4]
-if not redis.call('set', KEYS[1], value, 'NX', 'PX', ARGV[2]) then
-    local current = redis.call('get', KEYS[1])
-    if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
-        return {tonumber(string.match(current, '^[^:]*:(%d+):')), redis.call('pttl', KEYS[1])}
-    end
-    redis.call('set', KEYS[4], 1, 'PX', ARGV[5])
-    return -(math.max(redis.call('pttl', KEYS[1]), 0) + 1)
-end
-redis.call('hset', KEYS[2], ARGV[3], token_s)
-redis.call('zadd', KEYS[3], 0, ARGV[3])
-return token
-"""
-)
-
-# The fair scripts share one layout:
+# Every lock script but EXTEND and LIST shares one layout:
 # KEYS[1] lock, KEYS[2] fence hash, KEYS[3] index zset, KEYS[4] queue list
 # (waiter ids in arrival order), KEYS[5] queue deadlines zset (waiter -> ms by
-# the server clock), KEYS[6] queue info hash (waiter -> "ttl_ms:holder JSON")
+# the server clock), KEYS[6] queue info hash (waiter -> "ttl_ms:holder JSON"),
+# KEYS[7] "someone waits" flag, KEYS[8] wake list
 # ARGV[1] owner token (also the waiter id), ARGV[2] ttl ms, ARGV[3] lock name,
-# ARGV[4] holder JSON, ARGV[5] waiter lease ms, ARGV[6] signal key prefix
+# ARGV[4] holder JSON, ARGV[5] waiter lease ms, ARGV[6] signal key prefix,
+# ARGV[7] "1" to join the queue when refused (fair mode, or a waiter that has
+# waited too long in unfair mode)
 #
-# A release hands the lock straight to the first live waiter, so it is never
-# idle between holders: the waiter is granted min(its ttl, the waiter lease),
-# which bounds the stall if it died in the last moments before its turn, and
-# its watchdog extends that to its full TTL. The grant is announced on the
-# waiter's signal list as "token:granted_us:lease_ms".
-_FAIR = """
+# The queue gives first come, first served: while it has a live waiter,
+# nobody else may take the lock, and a release hands the lock straight to the
+# first live waiter, so it is never idle between holders. The waiter is
+# granted min(its ttl, the waiter lease), which bounds the stall if it died in
+# the last moments before its turn, and its watchdog extends that to its full
+# TTL. The grant is announced on the waiter's signal list as
+# "token:granted_us:lease_ms". Without the queue (the unfair fast path) a
+# refused caller sets the "someone waits" flag and a release pushes one
+# element to the wake list for a blocked waiter to take.
+
+# The queue's machinery, defined only on the paths that need it (defining Lua
+# functions costs on every call).
+_QUEUE = """
 local now_t = redis.call('time')
 local now_us = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
 
@@ -159,7 +143,7 @@ end
 local function hand_off()
     while true do
         local head = live_head()
-        if not head then return end
+        if not head then return false end
         redis.call('lpop', KEYS[4])
         redis.call('zrem', KEYS[5], head)
         local info = redis.call('hget', KEYS[6], head)
@@ -172,82 +156,128 @@ local function hand_off()
             redis.call('rpush', sig, string.format('%d', token) .. ':' ..
                 string.format('%d', now_us) .. ':' .. lease)
             redis.call('pexpire', sig, SIGNAL_TTL_MS)
-            return
+            return true
         end
     end
 end
 
-local function mine()
-    local value = redis.call('get', KEYS[1])
-    return value and string.sub(value, 1, #ARGV[1] + 1) == ARGV[1] .. ':' and value
-end
-""".replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
-
-# Acquire, fair: granted only if the lock is free and no live waiter is ahead.
-# Returns the new token (> 0); {token, PTTL} if ARGV[1] holds it already (a
-# retry, or a hand-off it has not seen yet); or, refused, {-(holder's PTTL +
-# 1), server time in us}, after queueing the caller (once) and pushing its
-# deadline out by the waiter lease.
-ACQUIRE_FAIR = (
-    _FAIR
-    + """
-local current = mine()
-if current then
-    return {tonumber(string.match(current, '^[^:]*:(%d+):')), redis.call('pttl', KEYS[1])}
-end
-local head = live_head()
-local pttl = redis.call('pttl', KEYS[1])
-if pttl ~= -2 or (head and head ~= ARGV[1]) then
+local function enqueue()
     local lease = tonumber(ARGV[5])
     if redis.call('zadd', KEYS[5], math.floor(now_us / 1000) + lease, ARGV[1]) == 1 then
         redis.call('rpush', KEYS[4], ARGV[1])
         redis.call('hset', KEYS[6], ARGV[1], ARGV[2] .. ':' .. ARGV[4])
     end
     for i = 4, 6 do redis.call('pexpire', KEYS[i], 2 * lease) end
+end
+""".replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
+
+# Shared: a wake-up for an unfair waiter, if one flagged that it waits.
+_WAKE_ONE = """
+if redis.call('exists', KEYS[7]) == 1 then
+    if redis.call('llen', KEYS[8]) == 0 then redis.call('rpush', KEYS[8], 1) end
+    redis.call('pexpire', KEYS[8], SIGNAL_TTL_MS)
+end
+""".replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
+
+# Acquire: one attempt, one round trip.
+# The lock's value becomes "owner:token:acquired_us:holder JSON"; the token is
+# computed first and the counter advanced only if the lock is granted.
+# Returns the new fencing token (> 0); {token, PTTL} if ARGV[1] holds the lock
+# already (a retry after a lost reply, or a hand-over it has not seen yet);
+# when refused, -(holder's PTTL + 1), or {-(PTTL + 1), server time in us} if
+# the caller is (now) queued.
+ACQUIRE = (
+    """
+local current = redis.call('get', KEYS[1])
+if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
+    return {tonumber(string.match(current, '^[^:]*:(%d+):')), redis.call('pttl', KEYS[1])}
+end
+if not current and redis.call('exists', KEYS[4]) == 0 then
+    -- Nobody queued: the fast path.
+    local now_t = redis.call('time')
+    local now_us = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
+    local token = math.max(tonumber(redis.call('hget', KEYS[2], ARGV[3]) or 0) + 1, now_us)
+    local token_s = string.format('%d', token)
+    local value = ARGV[1] .. ':' .. token_s .. ':' .. string.format('%d', now_us) .. ':' .. ARGV[4]
+    redis.call('set', KEYS[1], value, 'NX', 'PX', ARGV[2])
+    redis.call('hset', KEYS[2], ARGV[3], token_s)
+    redis.call('zadd', KEYS[3], 0, ARGV[3])
+    return token
+end
+"""
+    + _QUEUE
+    + """
+local head = live_head()
+local pttl = redis.call('pttl', KEYS[1])
+if pttl == -2 and (not head or head == ARGV[1]) then
+    if head then
+        redis.call('lpop', KEYS[4])
+        redis.call('zrem', KEYS[5], ARGV[1])
+        redis.call('hdel', KEYS[6], ARGV[1])
+    end
+    return grant(ARGV[1], ARGV[2], ARGV[4])
+end
+if ARGV[7] == '1' then
+    enqueue()
     return {-(math.max(pttl, 0) + 1), string.format('%d', now_us)}
 end
-if head then
-    redis.call('lpop', KEYS[4])
-    redis.call('zrem', KEYS[5], ARGV[1])
-    redis.call('hdel', KEYS[6], ARGV[1])
-end
-return grant(ARGV[1], ARGV[2], ARGV[4])
+redis.call('set', KEYS[7], 1, 'PX', ARGV[5])
+return -(math.max(pttl, 0) + 1)
 """
 )
 
-# Release, fair: compare the owner, delete, and hand off to the first live waiter.
+# Release: compare the owner, delete, drop the index entry; then hand the
+# lock to the first live queued waiter, or wake an unfair waiter.
 # Returns 1 if ARGV[1] held the lock, else 0.
-RELEASE_FAIR = (
-    _FAIR
-    + """
-if not mine() then return 0 end
+RELEASE = (
+    """
+local value = redis.call('get', KEYS[1])
+if not value or string.sub(value, 1, #ARGV[1] + 1) ~= ARGV[1] .. ':' then return 0 end
 redis.call('del', KEYS[1])
 redis.call('zrem', KEYS[3], ARGV[3])
-hand_off()
+if redis.call('exists', KEYS[4]) == 1 then
+"""
+    + _QUEUE
+    + """
+    if hand_off() then return 1 end
+end
+"""
+    + _WAKE_ONE
+    + """
 return 1
 """
 )
 
-# Break, fair: delete whoever holds it and hand off. Returns 1 if it was held.
-BREAK_FAIR = (
-    _FAIR
-    + """
+# Break: delete whoever holds it, then hand off or wake as RELEASE does.
+# Returns 1 if the lock was held, else 0.
+BREAK = (
+    """
 local held = redis.call('del', KEYS[1])
 redis.call('zrem', KEYS[3], ARGV[3])
-if held == 1 then hand_off() end
-return held
+if held == 0 then return 0 end
+if redis.call('exists', KEYS[4]) == 1 then
+"""
+    + _QUEUE
+    + """
+    if hand_off() then return 1 end
+end
+"""
+    + _WAKE_ONE
+    + """
+return 1
 """
 )
 
-# Abandon: a fair waiter gives up. If it was granted the lock meanwhile, it
+# Abandon: a queued waiter gives up. If it was handed the lock meanwhile, it
 # releases it; it leaves the queue; and if the lock is free the turn passes
-# on, so the queue does not stall. KEYS[7] is the waiter's signal list.
-# Returns 1 if the waiter had been granted the lock, else 0.
+# on, so the queue does not stall. KEYS[9] is the waiter's signal list.
+# Returns 1 if the waiter had been handed the lock, else 0.
 ABANDON = (
-    _FAIR
+    _QUEUE
     + """
 local granted = 0
-if mine() then
+local value = redis.call('get', KEYS[1])
+if value and string.sub(value, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
     redis.call('del', KEYS[1])
     redis.call('zrem', KEYS[3], ARGV[3])
     granted = 1
@@ -255,8 +285,12 @@ end
 redis.call('lrem', KEYS[4], 0, ARGV[1])
 redis.call('zrem', KEYS[5], ARGV[1])
 redis.call('hdel', KEYS[6], ARGV[1])
-redis.call('del', KEYS[7])
-if redis.call('exists', KEYS[1]) == 0 then hand_off() end
+redis.call('del', KEYS[9])
+if redis.call('exists', KEYS[1]) == 0 and not hand_off() then
+"""
+    + _WAKE_ONE
+    + """
+end
 return granted
 """
 )
@@ -266,24 +300,6 @@ _OWNED = """
 local value = redis.call('get', KEYS[1])
 if not value or string.sub(value, 1, #ARGV[1] + 1) ~= ARGV[1] .. ':' then return 0 end
 """
-
-# Release, not fair: compare the owner, delete, drop the index entry, and
-# leave one wake-up element if a waiter flagged that it waits.
-# KEYS[1] lock, KEYS[2] index zset, KEYS[3] wake list, KEYS[4] "someone waits" flag
-# ARGV[1] owner token, ARGV[2] lock name
-# Returns 1 if ARGV[1] held the lock, else 0.
-RELEASE = (
-    _OWNED
-    + """
-redis.call('del', KEYS[1])
-redis.call('zrem', KEYS[2], ARGV[2])
-if redis.call('exists', KEYS[4]) == 1 then
-    if redis.call('llen', KEYS[3]) == 0 then redis.call('rpush', KEYS[3], 1) end
-    redis.call('pexpire', KEYS[3], SIGNAL_TTL_MS)
-end
-return 1
-""".replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
-)
 
 # Extend: compare the owner, then the lease runs ARGV[2] ms from now.
 # KEYS[1] lock; ARGV[1] owner token, ARGV[2] ttl ms
@@ -295,19 +311,6 @@ redis.call('pexpire', KEYS[1], ARGV[2])
 return 1
 """
 )
-
-# Break, not fair: delete whoever holds it; wake a waiter if one flagged itself.
-# KEYS[1] lock, KEYS[2] index zset, KEYS[3] wake list, KEYS[4] "someone waits" flag
-# ARGV[1] lock name. Returns 1 if the lock was held, else 0.
-BREAK = """
-local held = redis.call('del', KEYS[1])
-redis.call('zrem', KEYS[2], ARGV[1])
-if held == 1 and redis.call('exists', KEYS[4]) == 1 then
-    redis.call('rpush', KEYS[3], 1)
-    redis.call('pexpire', KEYS[3], SIGNAL_TTL_MS)
-end
-return held
-""".replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
 
 # List one shard: the index entries in a lexicographic range whose lock is
 # still live, dropping entries whose lease expired. The lock keys are built
@@ -383,12 +386,9 @@ class _Node:
         self.retries = retries
         self._local = threading.local()
         self.acquire = Script(client, ACQUIRE)
-        self.acquire_fair = Script(client, ACQUIRE_FAIR)
         self.release = Script(client, RELEASE)
-        self.release_fair = Script(client, RELEASE_FAIR)
         self.extend = Script(client, EXTEND)
         self.break_ = Script(client, BREAK)
-        self.break_fair = Script(client, BREAK_FAIR)
         self.abandon = Script(client, ABANDON)
         self.list = Script(client, LIST)
 
@@ -680,44 +680,51 @@ class RedisBackend(BaseLockBackend):
 
     # --- primitives -------------------------------------------------------------------
 
-    def _fair_keys(self, k: _Keys) -> list[str]:
-        return [k.lock, k.fence, k.index, k.queue, k.queue_deadlines, k.queue_info]
+    def _lock_keys(self, k: _Keys) -> list[str]:
+        return [
+            k.lock, k.fence, k.index, k.queue, k.queue_deadlines, k.queue_info, k.waiting, k.wake,
+        ]  # fmt: skip
 
     def _acquire_call(self, name: str, owner: str, ttl: float, holder: str) -> Any:
         k = self._keys(name)
-        if self.fair:
-            keys = self._fair_keys(k)
-            args = [owner, _ms(ttl), name, holder, WAITER_LEASE_MS, k.signal_prefix]
-            return lambda node: node.run(node.acquire_fair, keys, args)
-        keys = [k.lock, k.fence, k.index, k.waiting]
-        args = [owner, _ms(ttl), name, holder, WAITER_LEASE_MS]
+        args = [owner, _ms(ttl), name, holder, WAITER_LEASE_MS, k.signal_prefix, ""]
+        if self.fair or self._starving(owner):
+            args[6] = "1"
+        keys = self._lock_keys(k)
         return lambda node: node.run(node.acquire, keys, args)
+
+    def _starving(self, owner: str) -> bool:
+        since: tuple[str, float] | None = getattr(self._local, "since", None)
+        if since is None or since[0] != owner:
+            return False
+        return time.monotonic() - since[1] >= STARVE_AFTER
 
     def _release_call(self, name: str, owner: str) -> Any:
         k = self._keys(name)
-        if self.fair:
-            keys = self._fair_keys(k)
-            args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix]
-            return lambda node: node.run(node.release_fair, keys, args)
-        keys = [k.lock, k.index, k.wake, k.waiting]
-        args = [owner, name]
+        keys = self._lock_keys(k)
+        args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix, ""]
         return lambda node: node.run(node.release, keys, args)
 
-    def _outcome(self, reply: Any, sent: float) -> int | Grant | None:
+    def _outcome(self, reply: Any, owner: str, sent: float) -> int | Grant | None:
         """Read an acquire reply; remember a refusal's hints for wait()."""
+        local = self._local
         if isinstance(reply, list):
             first, second = int(reply[0]), int(reply[1])
             if first > 0:
                 # Ours already: the service had PTTL left when it answered,
                 # which was no earlier than `sent`.
                 return Grant(first, sent + second / 1000, second / 1000)
-            self._local.holder_pttl_ms = -first - 1
-            self._local.refused = (sent, second)  # fair: (our clock, server clock in us)
+            # Refused and queued: (our clock, the server's clock in us) at that moment.
+            local.holder_pttl_ms = -first - 1
+            local.queued = (owner, sent, second)
             return None
         result = int(reply)
         if result > 0:
             return result
-        self._local.holder_pttl_ms = -result - 1
+        local.holder_pttl_ms = -result - 1
+        since = getattr(local, "since", None)
+        if since is None or since[0] != owner:
+            local.since = (owner, sent)
         return None
 
     def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | Grant | None:
@@ -728,10 +735,10 @@ class RedisBackend(BaseLockBackend):
         call = self._acquire_call(name, owner, ttl, holder)
         sent = time.monotonic()
         if not self.redlock:
-            return self._outcome(self._single(name, call), sent)
+            return self._outcome(self._single(name, call), owner, sent)
         results = self._on_each(name, call)
         errors = [r for r in results if isinstance(r, BackendUnavailable)]
-        outcomes = [self._outcome(r, sent) for r in results if not isinstance(r, Exception)]
+        outcomes = [self._outcome(r, owner, sent) for r in results if not isinstance(r, Exception)]
         granted = [o for o in outcomes if o is not None]
         validity = ttl - (time.monotonic() - sent) - self.drift(ttl)
         if len(granted) >= self.quorum and validity > 0:
@@ -768,24 +775,24 @@ class RedisBackend(BaseLockBackend):
 
     def do_break(self, name: str) -> bool:
         k = self._keys(name)
-        if self.fair:
-            keys = self._fair_keys(k)
-            args = ["", "", name, "", WAITER_LEASE_MS, k.signal_prefix]
-            return bool(self._single(name, lambda node: node.break_fair(keys, args)))
-        keys = [k.lock, k.index, k.wake, k.waiting]
+        keys = self._lock_keys(k)
+        args = ["", "", name, "", WAITER_LEASE_MS, k.signal_prefix, ""]
         if not self.redlock:
-            return bool(self._single(name, lambda node: node.break_(keys, [name])))
-        results = self._on_each(name, lambda node: node.break_(keys, [name]))
+            return bool(self._single(name, lambda node: node.run(node.break_, keys, args)))
+        results = self._on_each(name, lambda node: node.run(node.break_, keys, args))
         return any(r == 1 for r in results if not isinstance(r, Exception))
 
     def do_abandon(self, name: str, owner: str) -> None:
-        if not self.fair:
-            return
-        self._local.handed = None
+        local = self._local
+        local.handed = None
+        queued = getattr(local, "queued", None)
+        if not self.fair and (queued is None or queued[0] != owner):
+            return  # an unfair waiter that never joined the queue: nothing to leave
+        local.queued = None
         k = self._keys(name)
-        keys = [*self._fair_keys(k), k.signal_prefix + owner]
-        args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix]
-        self._single(name, lambda node: node.abandon(keys, args))
+        keys = [*self._lock_keys(k), k.signal_prefix + owner]
+        args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix, ""]
+        self._single(name, lambda node: node.run(node.abandon, keys, args))
 
     def do_list(self, prefix: str) -> list[LockInfo]:
         low, high = _lex_range(prefix)
@@ -870,26 +877,37 @@ class RedisBackend(BaseLockBackend):
         if timeout < 0.001:
             return
         k = self._keys(name)
-        key = k.signal_prefix + owner if self.fair else k.wake
+        queued = getattr(self._local, "queued", None)
+        if queued is not None and queued[0] == owner:
+            key = k.signal_prefix + owner
+        else:
+            key = k.wake
+            queued = None
+            if not self.fair:
+                # Do not sleep past the moment this waiter may join the queue.
+                since = getattr(self._local, "since", None)
+                if since is not None and since[0] == owner:
+                    timeout = max(0.001, min(timeout, since[1] + STARVE_AFTER - time.monotonic()))
         for node in nodes:
             try:
                 popped = node.client.blpop([key], timeout=timeout)
             except RedisError:
                 continue  # Redlock: that master is down; block on the next one
-            if popped and self.fair:
-                self._handed_over(owner, _text(popped[1]))
+            if popped and queued is not None:
+                self._handed_over(owner, queued, _text(popped[1]))
             return
         time.sleep(timeout)
 
-    def _handed_over(self, owner: str, signal: str) -> None:
+    def _handed_over(self, owner: str, queued: tuple[str, float, int], signal: str) -> None:
         token, granted_us, lease_ms = (int(part) for part in signal.split(":"))
-        sent, server_us = self._local.refused
+        _, sent, server_us = queued
         # Our refused attempt was answered at server time server_us, at a
         # moment of ours no earlier than `sent`; the grant came granted_us -
         # server_us later on the server's clock, so no earlier than this:
         granted = sent + (granted_us - server_us) / 1_000_000
         lease = lease_ms / 1000
         self._local.handed = (owner, Grant(token, granted + lease, lease))
+        self._local.queued = None
 
 
 def _text(value: Any) -> str:
