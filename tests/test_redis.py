@@ -524,3 +524,19 @@ def test_no_thread_starves(alias: str, name: str) -> None:
     for t in threads:
         t.join(60)
     assert min(turns.values()) >= 1, turns
+
+
+def test_redlock_waiters_never_queue(name: str) -> None:
+    """A queue on each master would hand the lock over master by master, not by majority."""
+    backend = locks["redlock"]
+    assert isinstance(backend, RedisBackend)
+    assert isinstance(backend.do_acquire(name, "holder", 30, "{}"), Grant | int)
+    backend.do_acquire(name, "waiter", 30, "{}")
+    backend._local.since = ("waiter", time.monotonic() - 10)  # long past STARVE_AFTER
+    assert backend.do_acquire(name, "waiter", 30, "{}") is None
+    for node in backend.nodes:
+        try:
+            assert node.command("EXISTS", backend._keys(name).queue) == 0
+        except redis.RedisError:
+            continue  # the stopped master
+    assert backend.do_release(name, "holder")

@@ -29,9 +29,13 @@ keys always share one Redis Cluster slot::
     {Pdlock:s}:idx        zset    N with score 0: the index that list() reads by prefix
     {Pdlock:s}:waiting:N  string  set by a refused attempt: someone waits (not fair)
     {Pdlock:s}:wake:N     list    a release pushes one element: wakes one waiter (not fair)
-    {Pdlock:s}:q:N        list    waiters' owner tokens in arrival order (fair)
-    {Pdlock:s}:qt:N       zset    waiter -> deadline in ms by the server clock (fair)
-    {Pdlock:s}:sig:W      list    a release pushes here to wake waiter W (fair)
+    {Pdlock:s}:q:N        list    queued waiters' owner tokens in arrival order
+    {Pdlock:s}:qt:N       zset    queued waiter -> deadline in ms by the server clock
+    {Pdlock:s}:qi:N       hash    queued waiter -> "ttl_ms:holder JSON", for the hand-over
+    {Pdlock:s}:sig:W      list    where queued waiter W learns it was handed the lock
+
+Waiters queue from their first refusal with ``fair``, and otherwise once they
+have waited STARVE_AFTER; see ``docs/backends/redis.md``.
 
 So ``redis-cli GET '{dlock:0}:lock:report:daily'`` shows who holds
 ``report:daily`` with which token, and ``redis-cli PTTL`` for how much longer.
@@ -688,7 +692,9 @@ class RedisBackend(BaseLockBackend):
     def _acquire_call(self, name: str, owner: str, ttl: float, holder: str) -> Any:
         k = self._keys(name)
         args = [owner, _ms(ttl), name, holder, WAITER_LEASE_MS, k.signal_prefix, ""]
-        if self.fair or self._starving(owner):
+        # Never under Redlock: each master would queue and hand over on its
+        # own, and a hand-over by one master is not a majority's grant.
+        if self.fair or (self._starving(owner) and not self.redlock):
             args[6] = "1"
         keys = self._lock_keys(k)
         return lambda node: node.run(node.acquire, keys, args)
@@ -883,14 +889,18 @@ class RedisBackend(BaseLockBackend):
         else:
             key = k.wake
             queued = None
-            if not self.fair:
-                # Do not sleep past the moment this waiter may join the queue.
-                since = getattr(self._local, "since", None)
-                if since is not None and since[0] == owner:
-                    timeout = max(0.001, min(timeout, since[1] + STARVE_AFTER - time.monotonic()))
+            since = getattr(self._local, "since", None)
+            if not (self.fair or self.redlock) and since is not None and since[0] == owner:
+                # Wake when this waiter may join the queue, if that comes first;
+                # once it has passed, the next attempt queues and no cap applies.
+                until_queue = since[1] + STARVE_AFTER - time.monotonic()
+                if until_queue > 0.001:
+                    timeout = min(timeout, until_queue)
         for node in nodes:
             try:
-                popped = node.client.blpop([key], timeout=timeout)
+                # On the direct path too: the woken waiter's next step is the
+                # critical path of a hand-over.
+                popped = node.command("BLPOP", key, round(timeout, 3))
             except RedisError:
                 continue  # Redlock: that master is down; block on the next one
             if popped and queued is not None:
