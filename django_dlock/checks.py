@@ -10,6 +10,7 @@ Ids are stable and never reused (docs/checks.md lists them):
 - ``django_dlock.E006``: another value the backend cannot work with.
 - ``django_dlock.E007``: the database backend is used but ``django_dlock`` is not installed.
 - ``django_dlock.E008``: the database backend's database is missing or unsupported.
+- ``django_dlock.W001``: Redlock over an even number of masters.
 """
 
 from __future__ import annotations
