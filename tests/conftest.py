@@ -105,6 +105,8 @@ def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[N
         for connection in connections.all():
             if connection.vendor != "postgresql":
                 continue
+            if connection.settings_dict["NAME"] != connection.creation._get_test_db_name():
+                continue  # no test selected this database, so it was never created
             with connection.cursor() as cursor:
                 cursor.execute(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"

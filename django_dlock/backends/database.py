@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -344,11 +345,13 @@ class DatabaseBackend(BaseLockBackend):
         # Release, extend and break must not be dropped because another writer
         # held SQLite's lock past its busy timeout, or MySQL picked us as a
         # deadlock victim.
-        for _ in range(4):
+        for attempt in range(6):
             try:
                 return self._run(name, fn, owner)
             except _Busy:
-                continue
+                # SQLite's shared-cache "locked" does not wait for the busy
+                # timeout; give the other writer a moment (1 ms, doubling).
+                time.sleep(0.001 * 2**attempt)
         try:
             return self._run(name, fn, owner)
         except _Busy as e:

@@ -112,3 +112,29 @@ class LockInTestCase(TestCase):
             held.ensure()
         with lock("rolled-back", timeout=0) as successor:
             self.assertGreater(successor.token, 0)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_threads_hammering_the_in_memory_database() -> None:
+    """Threads share Django's in-memory test database: SQLite answers "locked" at once there."""
+    counter = 0
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        nonlocal counter
+        try:
+            for _ in range(25):
+                with lock("hammered", timeout=60):
+                    value = counter
+                    time.sleep(0.0005)
+                    counter = value + 1
+        except BaseException as e:  # collected and asserted on below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert counter == 150
