@@ -101,28 +101,30 @@ def load_holder(text: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def holder_metadata(ttl: float, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Who is asking: stored with the lease for ``manage.py locks`` and the admin."""
+def holder_metadata(ttl: float, extra: Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
+    """Who is asking, as a dict and as the JSON stored with the lease.
+
+    Without ``extra`` (the common case) the JSON is written from the same
+    values directly: the encoder costs more than the rest of this function.
+    """
+    pid = os.getpid()
+    thread = threading.current_thread().name
+    acquired_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
     holder: dict[str, Any] = {
         "host": _HOST,
-        "pid": os.getpid(),
-        "thread": threading.current_thread().name,
-        "acquired_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        "pid": pid,
+        "thread": thread,
+        "acquired_at": acquired_at,
         "ttl": ttl,
     }
     if extra:
         holder.update(extra)
-    return holder
-
-
-def holder_json(holder: Mapping[str, Any], extra: Mapping[str, Any] | None) -> str:
-    """``dump_holder(holder)``, cheaper when ``extra`` is empty (the common case)."""
-    if extra:
-        return dump_holder(holder)
-    return (
-        f'{{"host":{_HOST_JSON},"pid":{holder["pid"]},"thread":{_ENCODER.encode(holder["thread"])},'
-        f'"acquired_at":"{holder["acquired_at"]}","ttl":{float(holder["ttl"])!r}}}'
+        return holder, dump_holder(holder)
+    text = (
+        f'{{"host":{_HOST_JSON},"pid":{pid},"thread":{_ENCODER.encode(thread)},'
+        f'"acquired_at":"{acquired_at}","ttl":{float(ttl)!r}}}'
     )
+    return holder, text
 
 
 _HOST_JSON = _ENCODER.encode(_HOST)

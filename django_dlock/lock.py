@@ -113,6 +113,9 @@ class HeldLock:
         self._watch_generation = 0
         if renew:
             get_watchdog().schedule(self, min(ttl, lease) / 3)
+        elif lease < ttl:
+            # Granted less than asked (a hand-over) and nobody will renew it.
+            self.extend(ttl)
         if lock_acquired.receivers:
             try:
                 lock_acquired.send(
@@ -184,11 +187,7 @@ class HeldLock:
         if not self.backend.do_extend(self.name, self.owner, ttl):
             self._mark_lost("extend was refused: the lease expired or was broken")
             raise self._error(LockNotOwned, "cannot be extended: the lease is gone")
-        with self._mutex:
-            self.ttl = ttl
-            self._expires = sent + ttl - self.backend.drift(ttl)
-        if self._renew_enabled and self._state == _HELD:
-            get_watchdog().schedule(self, ttl / 3)
+        self._renewed(sent, ttl)
 
     def release(self) -> None:
         """Release the lease if this handle still owns it.
@@ -291,11 +290,17 @@ class HeldLock:
         if not renewed:
             self._mark_lost("renewal was refused: the lease expired or was broken")
             return
+        self._renewed(sent, self.ttl)
+
+    def _renewed(self, sent: float, ttl: float) -> None:
+        """The service granted ``ttl`` more seconds to a request sent at ``sent``."""
         with self._mutex:
             if self._state != _HELD:
                 return
-            self._expires = sent + self.ttl - self.backend.drift(self.ttl)
-        get_watchdog().schedule(self, self.ttl / 3)
+            self.ttl = ttl
+            self._expires = sent + ttl - self.backend.drift(ttl)
+        if self._renew_enabled:
+            get_watchdog().schedule(self, ttl / 3)
 
 
 def _release_on_exit(held: HeldLock, body_raised: bool) -> None:
@@ -337,10 +342,17 @@ def _template_fields(template: str) -> set[str]:
 
 
 class Lock:
-    """What to acquire: a name (or key template), TTL, timeout and backend alias.
+    """A distributed lock on ``name``: what to acquire, not an acquisition.
+
+    ``ttl``: lease length in seconds (default: the backend's ``TTL``, 30 s).
+    ``timeout``: None waits forever, 0 tries once, otherwise seconds to wait
+    before :class:`~django_dlock.LockTimeout`. ``backend``: the alias in
+    ``DLOCK_BACKENDS``. ``metadata``: extra JSON-serializable holder details
+    shown by ``manage.py locks``. ``renew``: let the watchdog renew the lease.
 
     Use it as ``with lock(...) as held:``, ``async with``, as a decorator, or
-    call :meth:`acquire` by hand.
+    call :meth:`acquire` by hand. As a decorator, ``name`` may be a template
+    over the function's arguments: ``@lock("invoice:{invoice_id}")``.
     """
 
     def __init__(
@@ -452,12 +464,13 @@ class Lock:
     # --- internals -------------------------------------------------------------------
 
     def _acquire(self, timeout: float | None, name: str | None) -> HeldLock:
-        return locks[self.backend].acquire(
-            self.name if name is None else name,
-            ttl=self.ttl,
-            timeout=self.timeout if timeout is _UNSET else timeout,
-            metadata=self.metadata,
-            renew=self.renew,
+        # Everything but a templated key was validated when the Lock was made.
+        return locks[self.backend]._acquire(
+            self.name if name is None else validate_name(name),
+            self.ttl,
+            self.timeout if timeout is _UNSET else validate_timeout(timeout),
+            self.metadata,
+            self.renew,
         )
 
     def _push(self, held: HeldLock) -> None:
@@ -476,24 +489,5 @@ class Lock:
         raise RuntimeError(f"{self!r} was not acquired in this thread or task.")
 
 
-def lock(
-    name: str,
-    *,
-    ttl: float | None = None,
-    timeout: float | None = None,
-    backend: str = conf.DEFAULT_ALIAS,
-    metadata: Mapping[str, Any] | None = None,
-    renew: bool = True,
-) -> Lock:
-    """Describe a distributed lock on ``name``.
-
-    ``ttl``: lease length in seconds (default: the backend's ``TTL``, 30 s).
-    ``timeout``: None waits forever, 0 tries once, otherwise seconds to wait
-    before :class:`~django_dlock.LockTimeout`. ``backend``: the alias in
-    ``DLOCK_BACKENDS``. ``metadata``: extra JSON-serializable holder details
-    shown by ``manage.py locks``. ``renew``: let the watchdog renew the lease.
-
-    As a decorator, ``name`` may be a template over the function's arguments:
-    ``@lock("invoice:{invoice_id}")``.
-    """
-    return Lock(name, ttl=ttl, timeout=timeout, backend=backend, metadata=metadata, renew=renew)
+#: ``lock(name, ttl=..., timeout=..., backend=..., metadata=..., renew=...)``
+lock = Lock

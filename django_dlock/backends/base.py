@@ -46,7 +46,6 @@ from django.core.checks import CheckMessage
 
 from .. import conf
 from .._validation import (
-    holder_json,
     holder_metadata,
     new_owner,
     validate_name,
@@ -54,7 +53,7 @@ from .._validation import (
     validate_ttl,
 )
 from ..exceptions import InvalidLockOption, InvalidTTL, LockConfigurationError, LockTimeout
-from ..lock import HeldLock
+from ..lock import HeldLock, Lock
 from ..signals import lock_broken
 
 logger = logging.getLogger("django_dlock")
@@ -99,7 +98,7 @@ class LockInfo:
 class BaseLockBackend:
     """Settings, the blocking loop and the public backend API; see the module docstring."""
 
-    #: Waiters are served in arrival order.
+    #: Can serve waiters in arrival order (Redis: with ``OPTIONS={"fair": True}``).
     supports_fair: ClassVar[bool] = False
     #: A release wakes waiters (no backoff sleep between attempts).
     wakes_waiters: ClassVar[bool] = False
@@ -107,11 +106,6 @@ class BaseLockBackend:
     shared_across_processes: ClassVar[bool] = True
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
     allowed_options: ClassVar[frozenset[str]] = frozenset()
-    #: Fraction of the TTL (plus ``clock_drift_floor`` seconds) by which the
-    #: service's clock may run ahead of ours; a handle treats its lease as
-    #: gone that much earlier. Redlock uses it for its validity time.
-    clock_drift_factor: ClassVar[float] = 0.0
-    clock_drift_floor: ClassVar[float] = 0.0
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         self.alias = alias
@@ -204,12 +198,27 @@ class BaseLockBackend:
 
         Raises :class:`~django_dlock.LockTimeout` when the deadline passes first.
         """
-        name = validate_name(name)
-        ttl = self.default_ttl if ttl is None else validate_ttl(ttl)
-        timeout = validate_timeout(timeout)
+        return self._acquire(
+            validate_name(name),
+            None if ttl is None else validate_ttl(ttl),
+            validate_timeout(timeout),
+            metadata,
+            renew,
+        )
+
+    def _acquire(
+        self,
+        name: str,
+        ttl: float | None,
+        timeout: float | None,
+        metadata: Mapping[str, Any] | None,
+        renew: bool,
+    ) -> HeldLock:
+        """``acquire()`` with arguments already validated (``Lock`` checks them once)."""
+        if ttl is None:
+            ttl = self.default_ttl
         owner = new_owner()
-        holder = holder_metadata(ttl, metadata)
-        holder_text = holder_json(holder, metadata)
+        holder, holder_text = holder_metadata(ttl, metadata)
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
         refused = False
@@ -238,14 +247,15 @@ class BaseLockBackend:
             token, expires, lease = result.token, result.expires, result.lease
         else:
             token, expires, lease = result, sent + ttl, ttl
-        held = HeldLock._granted(self, name, owner, token, ttl, expires, lease, holder, renew)
-        if lease < ttl and not renew:
-            held.extend(ttl)  # nobody else will bring it up to the TTL asked for
-        return held
+        return HeldLock._granted(self, name, owner, token, ttl, expires, lease, holder, renew)
 
     def drift(self, ttl: float) -> float:
-        """Seconds of a ``ttl`` lease that a holder must not count on."""
-        return ttl * self.clock_drift_factor + self.clock_drift_floor
+        """Seconds of a ``ttl`` lease that a holder must not count on.
+
+        The service's clock may run ahead of ours; a handle treats its lease
+        as gone that much earlier. Redlock counts its masters' drift here.
+        """
+        return 0.0
 
     def _abandon_quietly(self, name: str, owner: str) -> None:
         try:
@@ -254,11 +264,9 @@ class BaseLockBackend:
             # The queue entry expires on its own; the caller's error matters more.
             logger.warning("Could not leave the wait queue of %r on %r", name, self.alias)
 
-    def lock(self, name: str, **kwargs: Any) -> Any:
+    def lock(self, name: str, **kwargs: Any) -> Lock:
         """``lock(name, backend=<this alias>, **kwargs)``."""
-        from ..lock import lock
-
-        return lock(name, backend=self.alias, **kwargs)
+        return Lock(name, backend=self.alias, **kwargs)
 
     def list(self, prefix: str = "") -> list[LockInfo]:
         """Live leases whose names start with ``prefix``, sorted by name."""

@@ -448,6 +448,7 @@ class RedisBackend(BaseLockBackend):
     """Leases in Redis; see the module docstring for the key layout and scripts."""
 
     wakes_waiters = True
+    supports_fair = True
     allowed_options = frozenset(
         {
             "fair",
