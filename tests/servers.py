@@ -23,11 +23,26 @@ def _bindable(port: int) -> bool:
         return True
 
 
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A free port below 55536 whose cluster bus port (port + 10000) is free too."""
+    """A free port whose cluster bus port (port + 10000) is free too.
+
+    Below the kernel's ephemeral range: a client connecting to a stopped
+    server's port in that range can, now and then, be given that very port as
+    its own source port and connect to itself (TCP simultaneous open), reading
+    back its own command as the reply.
+    """
     rng = random.Random()
+    high = min(_ephemeral_start(), 55536)
     for _ in range(1000):
-        port = rng.randrange(20000, 55000)
+        port = rng.randrange(10000, high)
         if _bindable(port) and _bindable(port + 10000):
             return port
     raise RuntimeError("no free port pair for redis-server")
