@@ -481,9 +481,11 @@ def test_unfair_waiter_that_waited_too_long_is_queued_and_served_next(name: str)
     assert isinstance(backend, RedisBackend)
     assert isinstance(backend.do_acquire(name, "holder", 0.3, "{}"), int)
     assert backend.do_acquire(name, "starving", 30, "{}") is None
-    backend._local.since = ("starving", time.monotonic() - 1)  # as if it had waited 1 s
+    waiter = backend._waiter("starving")
+    assert waiter is not None
+    waiter.since -= 1  # as if it had waited 1 s
     assert backend.do_acquire(name, "starving", 30, "{}") is None
-    assert backend._local.queued[0] == "starving"
+    assert backend._waiter("starving").queued_at is not None
     time.sleep(0.5)  # the holder's lease runs out without a release
     # The lock is free, but a newcomer may not barge ahead of the queued waiter.
     assert backend.do_acquire(name, "newcomer", 30, "{}") is None
@@ -497,7 +499,7 @@ def test_unfair_release_hands_over_to_a_queued_waiter(name: str) -> None:
     assert isinstance(backend, RedisBackend)
     backend.do_acquire(name, "holder", 30, "{}")
     backend.do_acquire(name, "starving", 30, "{}")
-    backend._local.since = ("starving", time.monotonic() - 1)
+    backend._waiter("starving").since -= 1  # type: ignore[union-attr]
     backend.do_acquire(name, "starving", 30, "{}")
     assert backend.do_release(name, "holder")
     value = redis.Redis.from_url(backend.locations[0], decode_responses=True).get(
@@ -532,7 +534,7 @@ def test_redlock_waiters_never_queue(name: str) -> None:
     assert isinstance(backend, RedisBackend)
     assert isinstance(backend.do_acquire(name, "holder", 30, "{}"), Grant | int)
     backend.do_acquire(name, "waiter", 30, "{}")
-    backend._local.since = ("waiter", time.monotonic() - 10)  # long past STARVE_AFTER
+    backend._waiter("waiter").since -= 10  # type: ignore[union-attr]  # long past STARVE_AFTER
     assert backend.do_acquire(name, "waiter", 30, "{}") is None
     for node in backend.nodes:
         try:

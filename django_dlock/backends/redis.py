@@ -115,12 +115,24 @@ local now_us = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
 # refused caller sets the "someone waits" flag and a release pushes one
 # element to the wake list for a blocked waiter to take.
 
-# The queue's machinery, defined only on the paths that need it (defining Lua
-# functions costs on every call).
-_QUEUE = """
-local now_t = redis.call('time')
-local now_us = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
+# Grant the lock to `owner`: advance the fencing counter (the token is
+# max(last + 1, server clock in us)), write "owner:token:acquired_us:holder"
+# with SET NX PX, and index the name. Needs now_us; callers know the lock is free.
+_GRANT = """
+local function grant(owner, ttl_ms, holder)
+    local token = math.max(tonumber(redis.call('hget', KEYS[2], ARGV[3]) or 0) + 1, now_us)
+    local token_s = string.format('%d', token)
+    local value = owner .. ':' .. token_s .. ':' .. string.format('%d', now_us) .. ':' .. holder
+    redis.call('set', KEYS[1], value, 'NX', 'PX', ttl_ms)
+    redis.call('hset', KEYS[2], ARGV[3], token_s)
+    redis.call('zadd', KEYS[3], 0, ARGV[3])
+    return token
+end
+"""
 
+# The queue's machinery, defined only on the paths that need it (defining Lua
+# functions costs on every call). Needs now_us and grant().
+_QUEUE_FNS = """
 local function live_head()
     local now_ms = math.floor(now_us / 1000)
     while true do
@@ -132,16 +144,6 @@ local function live_head()
         redis.call('zrem', KEYS[5], head)
         redis.call('hdel', KEYS[6], head)
     end
-end
-
-local function grant(owner, ttl_ms, holder)
-    local token = math.max(tonumber(redis.call('hget', KEYS[2], ARGV[3]) or 0) + 1, now_us)
-    local token_s = string.format('%d', token)
-    redis.call('hset', KEYS[2], ARGV[3], token_s)
-    local value = owner .. ':' .. token_s .. ':' .. string.format('%d', now_us) .. ':' .. holder
-    redis.call('set', KEYS[1], value, 'PX', ttl_ms)
-    redis.call('zadd', KEYS[3], 0, ARGV[3])
-    return token
 end
 
 local function hand_off()
@@ -175,6 +177,8 @@ local function enqueue()
 end
 """.replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
 
+_QUEUE = _NOW_US + _GRANT + _QUEUE_FNS
+
 # Shared: a wake-up for an unfair waiter, if one flagged that it waits.
 _WAKE_ONE = """
 if redis.call('exists', KEYS[7]) == 1 then
@@ -196,20 +200,15 @@ local current = redis.call('get', KEYS[1])
 if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
     return {tonumber(string.match(current, '^[^:]*:(%d+):')), redis.call('pttl', KEYS[1])}
 end
+"""
+    + _NOW_US
+    + _GRANT
+    + """
 if not current and redis.call('exists', KEYS[4]) == 0 then
-    -- Nobody queued: the fast path.
-    local now_t = redis.call('time')
-    local now_us = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
-    local token = math.max(tonumber(redis.call('hget', KEYS[2], ARGV[3]) or 0) + 1, now_us)
-    local token_s = string.format('%d', token)
-    local value = ARGV[1] .. ':' .. token_s .. ':' .. string.format('%d', now_us) .. ':' .. ARGV[4]
-    redis.call('set', KEYS[1], value, 'NX', 'PX', ARGV[2])
-    redis.call('hset', KEYS[2], ARGV[3], token_s)
-    redis.call('zadd', KEYS[3], 0, ARGV[3])
-    return token
+    return grant(ARGV[1], ARGV[2], ARGV[4])  -- nobody queued: the fast path
 end
 """
-    + _QUEUE
+    + _QUEUE_FNS
     + """
 local head = live_head()
 local pttl = redis.call('pttl', KEYS[1])
@@ -230,15 +229,16 @@ return -(math.max(pttl, 0) + 1)
 """
 )
 
-# Release: compare the owner, delete, drop the index entry; then hand the
-# lock to the first live queued waiter, or wake an unfair waiter.
-# Returns 1 if ARGV[1] held the lock, else 0.
-RELEASE = (
-    """
+# Shared: is ARGV[1] the owner recorded at the start of the lock's value?
+_OWNED = """
 local value = redis.call('get', KEYS[1])
 if not value or string.sub(value, 1, #ARGV[1] + 1) ~= ARGV[1] .. ':' then return 0 end
-redis.call('del', KEYS[1])
-redis.call('zrem', KEYS[3], ARGV[3])
+"""
+
+# Shared: the lock has just been freed; hand it to the first live queued
+# waiter, or else wake an unfair waiter. Returns 1.
+_PASS_ON = (
+    """
 if redis.call('exists', KEYS[4]) == 1 then
 """
     + _QUEUE
@@ -252,24 +252,26 @@ return 1
 """
 )
 
-# Break: delete whoever holds it, then hand off or wake as RELEASE does.
+# Release: compare the owner, delete, drop the index entry, pass the lock on.
+# Returns 1 if ARGV[1] held the lock, else 0.
+RELEASE = (
+    _OWNED
+    + """
+redis.call('del', KEYS[1])
+redis.call('zrem', KEYS[3], ARGV[3])
+"""
+    + _PASS_ON
+)
+
+# Break: delete whoever holds it and pass the lock on as RELEASE does.
 # Returns 1 if the lock was held, else 0.
 BREAK = (
     """
 local held = redis.call('del', KEYS[1])
 redis.call('zrem', KEYS[3], ARGV[3])
 if held == 0 then return 0 end
-if redis.call('exists', KEYS[4]) == 1 then
 """
-    + _QUEUE
-    + """
-    if hand_off() then return 1 end
-end
-"""
-    + _WAKE_ONE
-    + """
-return 1
-"""
+    + _PASS_ON
 )
 
 # Abandon: a queued waiter gives up. If it was handed the lock meanwhile, it
@@ -298,12 +300,6 @@ end
 return granted
 """
 )
-
-# Shared: is ARGV[1] the owner recorded at the start of the lock's value?
-_OWNED = """
-local value = redis.call('get', KEYS[1])
-if not value or string.sub(value, 1, #ARGV[1] + 1) ~= ARGV[1] .. ':' then return 0 end
-"""
 
 # Extend: compare the owner, then the lease runs ARGV[2] ms from now.
 # KEYS[1] lock; ARGV[1] owner token, ARGV[2] ttl ms
@@ -343,6 +339,21 @@ end
 return out
 """
 )
+
+
+@dataclass
+class _Waiter:
+    """What one acquire call has learned while refused; a thread has one at a time."""
+
+    owner: str
+    #: When it was first refused, by our clock (unfair waiters queue after STARVE_AFTER).
+    since: float
+    #: The holder's lease left at the latest refusal, in ms (0: unknown).
+    holder_pttl_ms: int = 0
+    #: Once queued: (our clock when that attempt was sent, server clock in us).
+    queued_at: tuple[float, int] | None = None
+    #: A lease the previous holder handed over, seen by wait().
+    handed: Grant | None = None
 
 
 @dataclass(frozen=True)
@@ -418,15 +429,17 @@ class _Node:
                 local.pid = os.getpid()
         else:
             conn = pool.get_connection()
+        retries = self.retries
         try:
-            for attempt in range(self.retries + 1):
+            while True:
                 try:
                     conn.send_command(*args)
                     return conn.read_response()
                 except (RedisConnectionError, RedisTimeoutError):
                     conn.disconnect()
-                    if attempt == self.retries:
+                    if not retries:
                         raise
+                    retries -= 1
         except ResponseError:
             raise  # the error reply was read in full; the connection is fine
         except BaseException:
@@ -436,7 +449,6 @@ class _Node:
         finally:
             if not self.dedicated:
                 pool.release(conn)
-        raise AssertionError("unreachable")
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -690,21 +702,21 @@ class RedisBackend(BaseLockBackend):
             k.lock, k.fence, k.index, k.queue, k.queue_deadlines, k.queue_info, k.waiting, k.wake,
         ]  # fmt: skip
 
+    def _waiter(self, owner: str) -> _Waiter | None:
+        waiter: _Waiter | None = getattr(self._local, "waiter", None)
+        return waiter if waiter is not None and waiter.owner == owner else None
+
     def _acquire_call(self, name: str, owner: str, ttl: float, holder: str) -> Any:
         k = self._keys(name)
         args = [owner, _ms(ttl), name, holder, WAITER_LEASE_MS, k.signal_prefix, ""]
+        waiter = self._waiter(owner)
+        starving = waiter is not None and time.monotonic() - waiter.since >= STARVE_AFTER
         # Never under Redlock: each master would queue and hand over on its
         # own, and a hand-over by one master is not a majority's grant.
-        if self.fair or (self._starving(owner) and not self.redlock):
+        if self.fair or (starving and not self.redlock):
             args[6] = "1"
         keys = self._lock_keys(k)
         return lambda node: node.run(node.acquire, keys, args)
-
-    def _starving(self, owner: str) -> bool:
-        since: tuple[str, float] | None = getattr(self._local, "since", None)
-        if since is None or since[0] != owner:
-            return False
-        return time.monotonic() - since[1] >= STARVE_AFTER
 
     def _release_call(self, name: str, owner: str) -> Any:
         k = self._keys(name)
@@ -713,32 +725,31 @@ class RedisBackend(BaseLockBackend):
         return lambda node: node.run(node.release, keys, args)
 
     def _outcome(self, reply: Any, owner: str, sent: float) -> int | Grant | None:
-        """Read an acquire reply; remember a refusal's hints for wait()."""
-        local = self._local
+        """Read an acquire reply; on a refusal, note what wait() needs."""
         if isinstance(reply, list):
             first, second = int(reply[0]), int(reply[1])
             if first > 0:
                 # Ours already: the service had PTTL left when it answered,
                 # which was no earlier than `sent`.
                 return Grant(first, sent + second / 1000, second / 1000)
-            # Refused and queued: (our clock, the server's clock in us) at that moment.
-            local.holder_pttl_ms = -first - 1
-            local.queued = (owner, sent, second)
-            return None
-        result = int(reply)
-        if result > 0:
-            return result
-        local.holder_pttl_ms = -result - 1
-        since = getattr(local, "since", None)
-        if since is None or since[0] != owner:
-            local.since = (owner, sent)
+            pttl_ms, queued_at = -first - 1, (sent, second)
+        else:
+            result = int(reply)
+            if result > 0:
+                return result
+            pttl_ms, queued_at = -result - 1, None
+        waiter = self._waiter(owner)
+        if waiter is None:
+            waiter = self._local.waiter = _Waiter(owner, since=sent)
+        waiter.holder_pttl_ms = pttl_ms
+        if queued_at is not None:
+            waiter.queued_at = queued_at
         return None
 
     def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | Grant | None:
-        handed: tuple[str, Grant] | None = getattr(self._local, "handed", None)
-        if handed is not None and handed[0] == owner:
-            self._local.handed = None
-            return handed[1]  # wait() saw the previous holder hand the lock over
+        waiter = self._waiter(owner)
+        if waiter is not None and waiter.handed is not None:
+            return waiter.handed  # wait() saw the previous holder hand the lock over
         call = self._acquire_call(name, owner, ttl, holder)
         sent = time.monotonic()
         if not self.redlock:
@@ -760,7 +771,11 @@ class RedisBackend(BaseLockBackend):
         if len(errors) > len(results) - self.quorum:
             raise errors[0]
         refusals = [int(r) for r in results if not isinstance(r, (Exception, list)) and int(r) < 0]
-        self._local.holder_pttl_ms = -max(refusals) - 1 if refusals else 0
+        waiter = self._waiter(owner)
+        if waiter is None:
+            waiter = self._local.waiter = _Waiter(owner, since=sent)
+        # Wait on the soonest-expiring refusal.
+        waiter.holder_pttl_ms = -max(refusals) - 1 if refusals else 0
         return None
 
     def do_release(self, name: str, owner: str) -> bool:
@@ -790,12 +805,10 @@ class RedisBackend(BaseLockBackend):
         return any(r == 1 for r in results if not isinstance(r, Exception))
 
     def do_abandon(self, name: str, owner: str) -> None:
-        local = self._local
-        local.handed = None
-        queued = getattr(local, "queued", None)
-        if not self.fair and (queued is None or queued[0] != owner):
+        waiter = self._waiter(owner)
+        self._local.waiter = None
+        if not self.fair and (waiter is None or waiter.queued_at is None):
             return  # an unfair waiter that never joined the queue: nothing to leave
-        local.queued = None
         k = self._keys(name)
         keys = [*self._lock_keys(k), k.signal_prefix + owner]
         args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix, ""]
@@ -875,7 +888,8 @@ class RedisBackend(BaseLockBackend):
         lost wake-up or a holder that died cannot strand a waiter. In fair
         mode the wake-up is the hand-over itself: "token:granted_us:lease_ms".
         """
-        holder_ms = getattr(self._local, "holder_pttl_ms", 0)
+        waiter = self._waiter(owner)
+        holder_ms = waiter.holder_pttl_ms if waiter is not None else 0
         fallback = max(holder_ms / 2000, min(holder_ms / 1000 + 0.001, 0.05))
         nodes = self.nodes
         timeout = min(self._blocking_cap, fallback if holder_ms else WAIT_CAP)
@@ -884,17 +898,15 @@ class RedisBackend(BaseLockBackend):
         if timeout < 0.001:
             return
         k = self._keys(name)
-        queued = getattr(self._local, "queued", None)
-        if queued is not None and queued[0] == owner:
+        queued = waiter is not None and waiter.queued_at is not None
+        if queued:
             key = k.signal_prefix + owner
         else:
             key = k.wake
-            queued = None
-            since = getattr(self._local, "since", None)
-            if not (self.fair or self.redlock) and since is not None and since[0] == owner:
+            if waiter is not None and not (self.fair or self.redlock):
                 # Wake when this waiter may join the queue, if that comes first;
                 # once it has passed, the next attempt queues and no cap applies.
-                until_queue = since[1] + STARVE_AFTER - time.monotonic()
+                until_queue = waiter.since + STARVE_AFTER - time.monotonic()
                 if until_queue > 0.001:
                     timeout = min(timeout, until_queue)
         for node in nodes:
@@ -904,21 +916,22 @@ class RedisBackend(BaseLockBackend):
                 popped = node.command("BLPOP", key, round(timeout, 3))
             except RedisError:
                 continue  # Redlock: that master is down; block on the next one
-            if popped and queued is not None:
-                self._handed_over(owner, queued, _text(popped[1]))
+            if popped and waiter is not None and waiter.queued_at is not None:
+                waiter.handed = _handed_over(waiter.queued_at, _text(popped[1]))
             return
         time.sleep(timeout)
 
-    def _handed_over(self, owner: str, queued: tuple[str, float, int], signal: str) -> None:
-        token, granted_us, lease_ms = (int(part) for part in signal.split(":"))
-        _, sent, server_us = queued
-        # Our refused attempt was answered at server time server_us, at a
-        # moment of ours no earlier than `sent`; the grant came granted_us -
-        # server_us later on the server's clock, so no earlier than this:
-        granted = sent + (granted_us - server_us) / 1_000_000
-        lease = lease_ms / 1000
-        self._local.handed = (owner, Grant(token, granted + lease, lease))
-        self._local.queued = None
+
+def _handed_over(queued_at: tuple[float, int], signal: str) -> Grant:
+    """The lease in a hand-over signal "token:granted_us:lease_ms", on our clock."""
+    token, granted_us, lease_ms = (int(part) for part in signal.split(":"))
+    sent, server_us = queued_at
+    # The refused attempt that queued us was answered at server time server_us,
+    # at a moment of ours no earlier than `sent`; the grant came granted_us -
+    # server_us later on the server's clock, so no earlier than this:
+    granted = sent + (granted_us - server_us) / 1_000_000
+    lease = lease_ms / 1000
+    return Grant(token, granted + lease, lease)
 
 
 def _text(value: Any) -> str:
