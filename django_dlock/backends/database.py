@@ -74,6 +74,9 @@ _BINARY = {
     "sqlite": "{}",
 }
 
+#: Retries of release, extend, check and break when the database is busy.
+BUSY_RETRIES = 6
+
 # MySQL error codes for a lost race between transactions: deadlock, lock wait timeout.
 _MYSQL_RETRYABLE = {1213, 1205}
 
@@ -345,21 +348,21 @@ class DatabaseBackend(BaseLockBackend):
         # Release, extend and break must not be dropped because another writer
         # held SQLite's lock past its busy timeout, or MySQL picked us as a
         # deadlock victim.
-        for attempt in range(6):
+        attempt = 0
+        while True:
             try:
                 return self._run(name, fn, owner)
-            except _Busy:
+            except _Busy as e:
+                if attempt == BUSY_RETRIES:
+                    raise BackendUnavailable(
+                        f"Database {self.database!r} stayed busy for lock {name!r}.",
+                        name=name,
+                        backend=self.alias,
+                    ) from e.__cause__
                 # SQLite's shared-cache "locked" does not wait for the busy
                 # timeout; give the other writer a moment (1 ms, doubling).
                 time.sleep(0.001 * 2**attempt)
-        try:
-            return self._run(name, fn, owner)
-        except _Busy as e:
-            raise BackendUnavailable(
-                f"Database {self.database!r} stayed busy for lock {name!r}.",
-                name=name,
-                backend=self.alias,
-            ) from e.__cause__
+                attempt += 1
 
     # --- primitives -----------------------------------------------------------------
 
