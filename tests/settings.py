@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import tempfile
+from typing import Any
 
 from testproject.settings import *  # noqa: F403
 from testproject.settings import INSTALLED_APPS
@@ -59,37 +60,40 @@ DATABASES = {
 #: alias in DLOCK_BACKENDS -> why its tests are skipped
 UNAVAILABLE_BACKENDS: dict[str, str] = {}
 
-if _reachable(PG["host"], PG["port"]):
-    DATABASES["postgresql"] = {
-        "ENGINE": "django.db.backends.postgresql",
+
+def _server_database(engine: str, server: dict[str, Any], **options: Any) -> dict[str, Any]:
+    """A DATABASES entry for a shared server; each test run gets its own test database."""
+    entry: dict[str, Any] = {
+        "ENGINE": engine,
         "NAME": "dlock",
-        "HOST": PG["host"],
-        "PORT": PG["port"],
-        "USER": PG["user"],
-        "PASSWORD": PG["password"],
+        "HOST": server["host"],
+        "PORT": server["port"],
+        "USER": server["user"],
+        "PASSWORD": server["password"],
         "TEST": {"NAME": f"test_dlock_{os.getpid()}"},
     }
-else:
-    UNAVAILABLE_BACKENDS["db-postgresql"] = (
-        f"PostgreSQL is not reachable at {PG['host']}:{PG['port']} (set DLOCK_TEST_PG_HOST/PORT)"
+    if options:
+        entry["OPTIONS"] = options
+    return entry
+
+
+def _unreachable(label: str, server: dict[str, Any], env: str) -> str:
+    return (
+        f"{label} is not reachable at {server['host']}:{server['port']} "
+        f"(set DLOCK_TEST_{env}_HOST/PORT)"
     )
 
-if _reachable(MYSQL["host"], MYSQL["port"]):
-    DATABASES["mysql"] = {
-        "ENGINE": "django.db.backends.mysql",
-        "NAME": "dlock",
-        "HOST": MYSQL["host"],
-        "PORT": MYSQL["port"],
-        "USER": MYSQL["user"],
-        "PASSWORD": MYSQL["password"],
-        "OPTIONS": {"charset": "utf8mb4"},
-        "TEST": {"NAME": f"test_dlock_{os.getpid()}", "CHARSET": "utf8mb4"},
-    }
+
+if _reachable(PG["host"], PG["port"]):
+    DATABASES["postgresql"] = _server_database("django.db.backends.postgresql", PG)
 else:
-    UNAVAILABLE_BACKENDS["db-mysql"] = (
-        f"MariaDB/MySQL is not reachable at {MYSQL['host']}:{MYSQL['port']} "
-        "(set DLOCK_TEST_MYSQL_HOST/PORT)"
-    )
+    UNAVAILABLE_BACKENDS["db-postgresql"] = _unreachable("PostgreSQL", PG, "PG")
+
+if _reachable(MYSQL["host"], MYSQL["port"]):
+    DATABASES["mysql"] = _server_database("django.db.backends.mysql", MYSQL, charset="utf8mb4")
+    DATABASES["mysql"]["TEST"]["CHARSET"] = "utf8mb4"
+else:
+    UNAVAILABLE_BACKENDS["db-mysql"] = _unreachable("MariaDB/MySQL", MYSQL, "MYSQL")
 
 if REQUIRE_ALL and UNAVAILABLE_BACKENDS:
     raise RuntimeError(

@@ -91,6 +91,20 @@ def _queue(name: str) -> list[str]:
     return client.lrange(backend._keys(name).queue, 0, -1)
 
 
+def _queued_waiter(name: str, position: int, **kwargs: Any) -> tuple[threading.Thread, list[Any]]:
+    """Start a thread acquiring ``name`` on redis-fair; return once it is ``position``-th in line.
+
+    The list receives the thread's HeldLock when it gets the lock.
+    """
+    got: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: got.append(lock(name, backend="redis-fair", **kwargs).acquire())
+    )
+    thread.start()
+    wait_for(lambda: len(_queue(name)) == position, 30, f"waiter {position} queued")
+    return thread, got
+
+
 def test_fair_waiters_are_served_in_arrival_order(name: str) -> None:
     holder = lock(name, backend="redis-fair").acquire()
     order: list[int] = []
@@ -125,18 +139,13 @@ def test_fair_waiter_that_gives_up_leaves_the_queue(name: str) -> None:
     first = threading.Thread(target=impatient)
     first.start()
     wait_for(lambda: len(_queue(name)) == 1, 10, "the impatient waiter queued")
-    got: list[int] = []
-    second = threading.Thread(
-        target=lambda: got.append(lock(name, backend="redis-fair", timeout=30).acquire().token)
-    )
-    second.start()
-    wait_for(lambda: len(_queue(name)) == 2, 10, "the patient waiter queued")
+    second, got = _queued_waiter(name, 2, timeout=30)
     first.join(10)
     assert gave_up.is_set()
     assert len(_queue(name)) == 1
     holder.release()
     second.join(30)
-    assert got and got[0] > holder.token
+    assert got and got[0].token > holder.token
     locks["redis-fair"].break_lock(name)
 
 
@@ -166,12 +175,7 @@ def test_fair_waiter_that_dies_leaves_the_queue(name: str) -> None:
     wait_for(lambda: len(_queue(name)) == 1, 30, "the doomed waiter queued")
     os.kill(doomed.pid, signal.SIGKILL)
     doomed.wait()
-    got: list[int] = []
-    survivor = threading.Thread(
-        target=lambda: got.append(lock(name, backend="redis-fair", timeout=60).acquire().token)
-    )
-    survivor.start()
-    wait_for(lambda: len(_queue(name)) == 2, 10, "the survivor queued behind the dead waiter")
+    survivor, got = _queued_waiter(name, 2, timeout=60)  # behind the dead waiter
     holder.release()
     survivor.join(WAITER_LEASE_MS / 1000 * 5)
     assert got, "the dead waiter stalled the queue"
@@ -211,13 +215,19 @@ def test_cluster_spreads_locks_over_masters(redis_servers: dict[str, Any], name:
             h.release()
 
 
-def test_redlock_token_is_the_maximum_over_the_majority(
-    redis_servers: dict[str, Any], name: str
-) -> None:
+def _redlock(redis_servers: dict[str, Any]) -> tuple[RedisBackend, list[RedisServer]]:
+    """The Redlock backend and its two running masters (the third is kept stopped)."""
     backend = locks["redlock"]
     assert isinstance(backend, RedisBackend)
     live = [s for s in redis_servers["redlock"] if s.process is not None]
     assert len(live) == 2
+    return backend, live
+
+
+def test_redlock_token_is_the_maximum_over_the_majority(
+    redis_servers: dict[str, Any], name: str
+) -> None:
+    backend, live = _redlock(redis_servers)
     # Give one master a counter far ahead, as if it had issued more tokens.
     k = backend._keys(name)
     raw(live[1]).hset(k.fence, name, 9_000_000_000_000_000)
@@ -229,9 +239,7 @@ def test_redlock_token_is_the_maximum_over_the_majority(
 def test_redlock_failed_attempt_releases_everywhere(
     redis_servers: dict[str, Any], name: str
 ) -> None:
-    backend = locks["redlock"]
-    assert isinstance(backend, RedisBackend)
-    live = [s for s in redis_servers["redlock"] if s.process is not None]
+    backend, live = _redlock(redis_servers)
     k = backend._keys(name)
     raw(live[1]).set(k.lock, "someone-else", px=30_000)  # held on one of the two live masters
     with pytest.raises(LockTimeout):
@@ -439,12 +447,7 @@ def test_fair_waiter_granted_while_giving_up_passes_the_lock_on(name: str) -> No
 
 def test_fair_handed_over_lease_is_extended_to_the_full_ttl(name: str) -> None:
     holder = lock(name, backend="redis-fair").acquire()
-    got: list[Any] = []
-    waiter = threading.Thread(
-        target=lambda: got.append(lock(name, backend="redis-fair", ttl=30, timeout=30).acquire())
-    )
-    waiter.start()
-    wait_for(lambda: len(_queue(name)) == 1, 10, "the waiter queued")
+    waiter, got = _queued_waiter(name, 1, ttl=30, timeout=30)
     holder.release()
     waiter.join(30)
     [held] = got
@@ -459,14 +462,7 @@ def test_fair_handed_over_lease_is_extended_to_the_full_ttl(name: str) -> None:
 
 def test_fair_handed_over_lease_without_renewal_is_extended_at_once(name: str) -> None:
     holder = lock(name, backend="redis-fair").acquire()
-    got: list[Any] = []
-    waiter = threading.Thread(
-        target=lambda: got.append(
-            lock(name, backend="redis-fair", ttl=30, timeout=30, renew=False).acquire()
-        )
-    )
-    waiter.start()
-    wait_for(lambda: len(_queue(name)) == 1, 10, "the waiter queued")
+    waiter, got = _queued_waiter(name, 1, ttl=30, timeout=30, renew=False)
     holder.release()
     waiter.join(30)
     [held] = got
