@@ -384,7 +384,7 @@ def _lex_range(prefix: str) -> tuple[str, str]:
 class _Node:
     """One Redis deployment (a server, or a cluster), its scripts and its connections.
 
-    The hot commands (acquire, release, extend, check) skip redis-py's
+    The hot commands (acquire, release, extend, check, a waiter's BLPOP) skip redis-py's
     per-command client machinery (retry wrapper, timing, metrics), which costs
     more than the round trip on loopback: they are written to a connection
     directly with redis-py's own Connection and parser. Our own clients give
