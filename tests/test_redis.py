@@ -303,13 +303,24 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
 
+    # Well-formed enough for strict verification (Python 3.13's default
+    # VERIFY_X509_STRICT): a CA with key usage, a leaf with key identifiers.
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            "-subj", "/CN=dlock-test-ca", "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip
+            "-subj", "/CN=dlock-test-ca", "-keyout", "ca.key", "-out", "ca.crt",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
             "-keyout", "server.key", "-out", "server.csr")  # fmt: skip
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    (d / "leaf.ext").write_text(
+        "subjectAltName=IP:127.0.0.1\n"
+        "basicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth\n"
+        "subjectKeyIdentifier=hash\n"
+        "authorityKeyIdentifier=keyid,issuer\n"
+    )
     openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "1", "-extfile", "san.ext",
+            "-CAcreateserial", "-days", "1", "-extfile", "leaf.ext",
             "-out", "server.crt")  # fmt: skip
     return {"ca": d / "ca.crt", "cert": d / "server.crt", "key": d / "server.key"}
 
