@@ -2,6 +2,7 @@
 # Install and start what the test suite needs from the system, if it is missing:
 #   - headers to build mysqlclient (the MariaDB/MySQL driver Django supports);
 #   - redis-server and redis-cli, which the Redis tests run themselves;
+#   - etcd and etcdctl, which the etcd tests run themselves;
 #   - PostgreSQL and MariaDB answering on loopback.
 # Idempotent: on a machine that has everything it only checks.
 set -euo pipefail
@@ -11,6 +12,9 @@ pkg-config --exists mysqlclient 2>/dev/null || need_apt+=(default-libmysqlclient
 # The Redis tests start their own redis-server processes (single node, cluster, Redlock).
 command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v redis-cli >/dev/null || need_apt+=(redis-tools)
+# The etcd tests start their own etcd members and drive `etcdctl lock` (etcd 3.4).
+command -v etcd >/dev/null || need_apt+=(etcd-server)
+command -v etcdctl >/dev/null || need_apt+=(etcd-client)
 
 if ((${#need_apt[@]})); then
     if [[ $(id -u) -ne 0 ]]; then

@@ -11,7 +11,7 @@ from django.conf import settings
 
 from django_dlock import locks
 from django_dlock.backends.base import BaseLockBackend
-from tests.servers import RedisServer, start_cluster
+from tests.servers import EtcdServer, RedisServer, start_cluster, start_etcd_cluster
 
 
 def backend_params(aliases: list[str] | None = None) -> list[object]:
@@ -58,12 +58,26 @@ def redis_servers() -> Iterator[dict[str, Any]]:
         server.cleanup()
 
 
+@pytest.fixture(scope="session")
+def etcd_servers() -> Iterator[dict[str, Any]]:
+    """A single etcd member and a 3-member cluster, each its own processes."""
+    ports = settings.ETCD_PORTS
+    client, peer = ports["single"]
+    single = EtcdServer("single", client, peer, {"single": peer}).start()
+    cluster = start_etcd_cluster(ports["cluster"], prefix="m")
+    yield {"single": single, "cluster": cluster}
+    for server in [single, *cluster]:
+        server.cleanup()
+
+
 @pytest.fixture(autouse=True)
 def _servers_for_backend(request: pytest.FixtureRequest) -> None:
     if "backend_alias" in request.fixturenames:
         alias = request.getfixturevalue("backend_alias")
         if alias.startswith(("redis", "redlock")):
             request.getfixturevalue("redis_servers")
+        elif alias.startswith("etcd"):
+            request.getfixturevalue("etcd_servers")
 
 
 @pytest.fixture
@@ -84,11 +98,23 @@ def _no_leaked_threads() -> Iterator[None]:
     leaked = [
         t
         for t in threading.enumerate()
-        if t.ident not in before and t.name != "django-dlock-watchdog" and t.is_alive()
+        if t.ident not in before and t.is_alive() and not _long_lived(t)
     ]
     for t in leaked:
         t.join(timeout=5)
     assert not [t for t in leaked if t.is_alive()], f"threads left running: {leaked}"
+
+
+def _long_lived(thread: threading.Thread) -> bool:
+    """Threads that live as long as the process by design.
+
+    The watchdog and the etcd backend's watch stream, and gRPC's own threads
+    that serve that stream (they end with it).
+    """
+    target = getattr(thread, "_target", None)
+    return thread.name.startswith("django-dlock-") or (
+        getattr(target, "__module__", "") or ""
+    ).startswith("grpc.")
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,12 @@
-"""Real redis-server processes for the tests, on free loopback ports in temp dirs.
+"""Real redis-server and etcd processes for the tests, on free loopback ports in temp dirs.
 
 The tests own these processes, so fault tests can stop, kill and restart them.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import shutil
 import socket
@@ -152,3 +154,128 @@ def start_cluster(ports: list[int]) -> list[RedisServer]:
             f"cluster state ok on {port}",
         )
     return servers
+
+
+def etcdctl(endpoint: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["etcdctl", f"--endpoints={endpoint}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin:/usr/local/bin"},
+    )
+
+
+class EtcdServer:
+    """One etcd member (from Debian's etcd-server) with fast elections.
+
+    ``--heartbeat-interval 10 --election-timeout 100`` lets a 3-node cluster
+    elect a new leader within a few hundred milliseconds of losing one, and
+    makes the shortest lease etcd grants one second.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        client_port: int,
+        peer_port: int,
+        cluster: dict[str, int],
+        *extra: str,
+        scheme: str = "http",
+    ) -> None:
+        self.name = name
+        self.client_port = client_port
+        self.peer_port = peer_port
+        self.cluster = cluster
+        self.extra = extra
+        self.scheme = scheme
+        self.dir = Path(tempfile.mkdtemp(prefix=f"dlock-etcd-{name}-"))
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started_once = False
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, wait: bool = True) -> EtcdServer:
+        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in self.cluster.items())
+        client_url = f"{self.scheme}://127.0.0.1:{self.client_port}"
+        self.process = subprocess.Popen(
+            [
+                "etcd",
+                "--name", self.name,
+                "--data-dir", str(self.dir / "data"),
+                "--listen-client-urls", client_url,
+                "--advertise-client-urls", client_url,
+                "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+                "--initial-cluster", initial,
+                "--initial-cluster-state", "existing" if self.started_once else "new",
+                "--initial-cluster-token", f"dlock-{os.getpid()}-{min(self.cluster.values())}",
+                "--heartbeat-interval", "10",
+                "--election-timeout", "100",
+                "--logger", "zap",
+                "--log-outputs", str(self.dir / "etcd.log"),
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.started_once = True
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self) -> None:
+        if self.scheme != "http":
+            wait_for(lambda: _port_open(self.client_port), 30, f"etcd {self.name}")
+            return
+        try:
+            wait_for(
+                lambda: etcdctl(self.endpoint, "endpoint", "health", timeout=5).returncode == 0,
+                30,
+                f"etcd {self.name} on port {self.client_port} (log: {self.dir / 'etcd.log'})",
+            )
+        except RuntimeError:
+            self.kill()
+            raise
+
+    def is_leader(self) -> bool:
+        out = etcdctl(self.endpoint, "endpoint", "status", "-w", "json", timeout=5).stdout
+        try:
+            [status] = json.loads(out)
+        except ValueError:
+            return False
+        header = status["Status"]["header"]
+        return bool(header["member_id"] == status["Status"]["leader"])
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=20)
+            self.process = None
+
+    def cleanup(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def start_etcd_cluster(ports: list[tuple[int, int]], prefix: str) -> list[EtcdServer]:
+    """Members ``{prefix}0..n`` on (client port, peer port) pairs, started together."""
+    cluster = {f"{prefix}{i}": peer for i, (_, peer) in enumerate(ports)}
+    members = [
+        EtcdServer(f"{prefix}{i}", client, peer, cluster) for i, (client, peer) in enumerate(ports)
+    ]
+    for member in members:
+        member.start(wait=False)
+    for member in members:
+        member.wait_healthy()
+    return members

@@ -151,6 +151,28 @@ else:
     if REQUIRE_ALL:
         raise RuntimeError("DLOCK_REQUIRE_ALL_BACKENDS=1 but redis-server is not installed")
 
+# etcd: the tests start their own members on these (client, peer) ports.
+_ETCD = "django_dlock.backends.etcd.EtcdBackend"
+ETCD_PORTS = {
+    "single": (free_port(), free_port()),
+    "cluster": [(free_port(), free_port()) for _ in range(3)],
+}
+if shutil.which("etcd") and shutil.which("etcdctl"):
+    DLOCK_BACKENDS.update(
+        {
+            "etcd": {"BACKEND": _ETCD, "LOCATION": f"127.0.0.1:{ETCD_PORTS['single'][0]}"},
+            "etcd-cluster": {
+                "BACKEND": _ETCD,
+                "LOCATION": [f"127.0.0.1:{client}" for client, _ in ETCD_PORTS["cluster"]],
+            },
+        }
+    )
+else:
+    for _alias in ("etcd", "etcd-cluster"):
+        UNAVAILABLE_BACKENDS[_alias] = "etcd and etcdctl are not installed (apt: etcd-server)"
+    if REQUIRE_ALL:
+        raise RuntimeError("DLOCK_REQUIRE_ALL_BACKENDS=1 but etcd is not installed")
+
 #: conformance alias -> the DATABASES alias its tests need (None: no database)
 CONFORMANCE_BACKENDS = {
     "locmem": None,
@@ -161,4 +183,6 @@ CONFORMANCE_BACKENDS = {
     "redis-fair": None,
     "redis-cluster": None,
     "redlock": None,
+    "etcd": None,
+    "etcd-cluster": None,
 }

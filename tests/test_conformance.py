@@ -28,9 +28,20 @@ from django_dlock import (
 from django_dlock.backends.base import BaseLockBackend
 from django_dlock.signals import lock_acquired, lock_broken, lock_lost, lock_released
 
-# Leases that must expire during a test are this short; waits are this much longer.
+# Leases that must expire during a test are this short (or the backend's
+# shortest lease), and tests wait twice that, plus how late the backend may
+# delete an expired lease.
 SHORT_TTL = 0.4
-PAST_EXPIRY = 0.8
+
+
+@pytest.fixture
+def short_ttl(backend: BaseLockBackend) -> float:
+    return max(SHORT_TTL, backend.min_ttl)
+
+
+@pytest.fixture
+def past_expiry(backend: BaseLockBackend, short_ttl: float) -> float:
+    return short_ttl * 2 + backend.expiry_slack
 
 
 def test_acquire_and_release(backend_alias: str, backend: BaseLockBackend, name: str) -> None:
@@ -108,9 +119,11 @@ def test_release_by_non_owner_fails(
             lock(name, backend=backend_alias, timeout=0).acquire()
 
 
-def test_stale_holder_cannot_release_new_holders_lock(backend_alias: str, name: str) -> None:
-    stale = lock(name, backend=backend_alias, ttl=SHORT_TTL, renew=False).acquire()
-    time.sleep(PAST_EXPIRY)
+def test_stale_holder_cannot_release_new_holders_lock(
+    backend_alias: str, name: str, short_ttl: float, past_expiry: float
+) -> None:
+    stale = lock(name, backend=backend_alias, ttl=short_ttl, renew=False).acquire()
+    time.sleep(past_expiry)
     with lock(name, backend=backend_alias, timeout=0) as current:
         with pytest.raises(LockNotOwned):
             stale.release()
@@ -120,9 +133,11 @@ def test_stale_holder_cannot_release_new_holders_lock(backend_alias: str, name: 
     assert current.token > stale.token
 
 
-def test_lease_expires_after_ttl(backend_alias: str, backend: BaseLockBackend, name: str) -> None:
-    held = lock(name, backend=backend_alias, ttl=SHORT_TTL, renew=False).acquire()
-    time.sleep(PAST_EXPIRY)
+def test_lease_expires_after_ttl(
+    backend_alias: str, backend: BaseLockBackend, name: str, short_ttl: float, past_expiry: float
+) -> None:
+    held = lock(name, backend=backend_alias, ttl=short_ttl, renew=False).acquire()
+    time.sleep(past_expiry)
     assert backend.list(name) == []
     assert held.lost
     with pytest.raises(LockLost):
@@ -131,10 +146,10 @@ def test_lease_expires_after_ttl(backend_alias: str, backend: BaseLockBackend, n
         assert successor.token > held.token
 
 
-def test_extend(backend_alias: str, name: str) -> None:
-    held = lock(name, backend=backend_alias, ttl=SHORT_TTL, renew=False).acquire()
+def test_extend(backend_alias: str, name: str, short_ttl: float, past_expiry: float) -> None:
+    held = lock(name, backend=backend_alias, ttl=short_ttl, renew=False).acquire()
     held.extend(10)
-    time.sleep(PAST_EXPIRY)
+    time.sleep(past_expiry)
     held.ensure()
     with pytest.raises(LockTimeout):
         lock(name, backend=backend_alias, timeout=0).acquire()
@@ -142,18 +157,20 @@ def test_extend(backend_alias: str, name: str) -> None:
     held.release()
 
 
-def test_extend_after_expiry_raises(backend_alias: str, name: str) -> None:
-    held = lock(name, backend=backend_alias, ttl=SHORT_TTL, renew=False).acquire()
-    time.sleep(PAST_EXPIRY)
+def test_extend_after_expiry_raises(
+    backend_alias: str, name: str, short_ttl: float, past_expiry: float
+) -> None:
+    held = lock(name, backend=backend_alias, ttl=short_ttl, renew=False).acquire()
+    time.sleep(past_expiry)
     with pytest.raises(LockNotOwned):
         held.extend(10)
 
 
 def test_watchdog_keeps_lease_past_several_ttls(
-    backend_alias: str, backend: BaseLockBackend, name: str
+    backend_alias: str, backend: BaseLockBackend, name: str, short_ttl: float
 ) -> None:
-    with lock(name, backend=backend_alias, ttl=SHORT_TTL) as held:
-        time.sleep(SHORT_TTL * 4)
+    with lock(name, backend=backend_alias, ttl=short_ttl) as held:
+        time.sleep(short_ttl * 4)
         held.ensure()
         assert not held.lost
         with pytest.raises(LockTimeout):
@@ -163,7 +180,7 @@ def test_watchdog_keeps_lease_past_several_ttls(
 
 
 def test_lock_lost_after_break_underneath(
-    backend_alias: str, backend: BaseLockBackend, name: str
+    backend_alias: str, backend: BaseLockBackend, name: str, short_ttl: float
 ) -> None:
     lost = threading.Event()
     seen: list[dict[str, Any]] = []
@@ -175,7 +192,7 @@ def test_lock_lost_after_break_underneath(
 
     lock_lost.connect(on_lost)
     try:
-        held = lock(name, backend=backend_alias, ttl=SHORT_TTL).acquire()
+        held = lock(name, backend=backend_alias, ttl=short_ttl).acquire()
         assert backend.break_lock(name) is True
         assert lost.wait(10), "the watchdog did not report the broken lease"
     finally:
@@ -257,7 +274,9 @@ def test_break(backend_alias: str, backend: BaseLockBackend, name: str) -> None:
         assert successor.token > held.token
 
 
-def test_tokens_strictly_increase(backend_alias: str, backend: BaseLockBackend, name: str) -> None:
+def test_tokens_strictly_increase(
+    backend_alias: str, backend: BaseLockBackend, name: str, short_ttl: float, past_expiry: float
+) -> None:
     tokens = []
     for _ in range(10):
         with lock(name, backend=backend_alias, timeout=0) as held:
@@ -265,9 +284,9 @@ def test_tokens_strictly_increase(backend_alias: str, backend: BaseLockBackend, 
     held = lock(name, backend=backend_alias).acquire()
     tokens.append(held.token)
     backend.break_lock(name)
-    expiring = lock(name, backend=backend_alias, ttl=SHORT_TTL, renew=False, timeout=0).acquire()
+    expiring = lock(name, backend=backend_alias, ttl=short_ttl, renew=False, timeout=0).acquire()
     tokens.append(expiring.token)
-    time.sleep(PAST_EXPIRY)
+    time.sleep(past_expiry)
     with lock(name, backend=backend_alias, timeout=0) as held:
         tokens.append(held.token)
     assert all(a < b for a, b in itertools.pairwise(tokens)), tokens
@@ -431,9 +450,9 @@ def test_waiting_does_not_spin(
 
 
 def test_waiter_is_not_stranded_when_the_holder_never_releases(
-    backend_alias: str, name: str
+    backend_alias: str, name: str, short_ttl: float
 ) -> None:
     """A holder that dies sends no wake-up; its lease running out must free the waiter."""
-    gone = lock(name, backend=backend_alias, ttl=SHORT_TTL, renew=False).acquire()
+    gone = lock(name, backend=backend_alias, ttl=short_ttl, renew=False).acquire()
     with lock(name, backend=backend_alias, timeout=15) as successor:
         assert successor.token > gone.token

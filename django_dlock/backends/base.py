@@ -104,6 +104,12 @@ class BaseLockBackend:
     wakes_waiters: ClassVar[bool] = False
     #: Processes on one machine (or several) see the same locks.
     shared_across_processes: ClassVar[bool] = True
+    #: Shortest lease the service grants, in seconds. A shorter TTL is rounded
+    #: up: the lease lasts longer than asked, never shorter (etcd: 1 s).
+    min_ttl: ClassVar[float] = 0.001
+    #: How late after its end the service may still be deleting an expired
+    #: lease, in seconds (etcd's leader looks for expired leases every 0.5 s).
+    expiry_slack: ClassVar[float] = 0.0
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
     allowed_options: ClassVar[frozenset[str]] = frozenset()
 

@@ -1,0 +1,1055 @@
+"""The etcd v3 backend: session leases, a revision-ordered queue, fencing by revision.
+
+Settings::
+
+    "BACKEND": "django_dlock.backends.etcd.EtcdBackend",
+    "LOCATION": ["10.0.0.1:2379", "10.0.0.2:2379", "10.0.0.3:2379"],
+    "OPTIONS": {"ca": "/etc/etcd/ca.crt", "user": "app", "password": "..."},
+
+``LOCATION`` is one endpoint or a list of them (``host:port``, ``http://host:port``
+or ``https://host:port``); a request that fails on one member is sent to the
+next. ``OPTIONS``: ``ca``, ``cert``, ``key`` (TLS files: the CA to trust, and a
+client certificate and key), ``user`` and ``password`` (etcd authentication),
+``timeout`` (seconds one operation may take, failover included; default 5).
+
+The algorithm is etcd's own ``concurrency.Mutex``, the python-etcd recipe of
+watching the predecessor, and ``contrib/lock``'s fencing by revision. For
+``KEY_PREFIX`` P, lock name N (``%`` and ``/`` escaped as ``%25`` and ``%2F``)
+and lease L in hex::
+
+    Pdlock/N/L    value: holder JSON; attached to lease L
+
+- **Session lease.** A process keeps one lease per backend and TTL (whole
+  seconds, rounded up), kept alive by the watchdog while it holds locks and by
+  the waiting thread while it waits, and revoked by ``close()`` and at exit.
+  When one process waits for, or holds, the same name from several threads
+  at once, each needs its own key, so it uses a second lease of that TTL (a
+  third, ...). ``renew=False`` gets a lease of its own, revoked on release, so
+  that it runs out after its TTL whatever the process's other locks do.
+- **Acquire** is one transaction: put ``Pdlock/N/L`` if its create revision is
+  0, and in the same transaction read the key with the lowest create revision
+  under ``Pdlock/N/`` and the one just below ours. Ours lowest: we hold the
+  lock, and the **fencing token** is our key's create revision.
+- **Waiting** watches the key just below ours for its delete (from the
+  revision at which we saw it, so a delete in between is not missed), then
+  re-checks in one transaction: that key may have been a waiter that gave up.
+  Waiters are therefore served strictly in arrival order.
+- **Release** deletes our key if its create revision is still our token.
+  A waiter that times out deletes its key; one that dies leaves it to expire
+  with its lease.
+- **List** is a range over the prefix; the holder of each name is its key with
+  the lowest create revision. **Break** deletes that key, which wakes the
+  next waiter.
+
+So ``etcdctl lock Pdlock/N`` and this backend exclude each other, and
+``etcdctl get --prefix Pdlock/`` shows holders and waiters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import os
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+from urllib.parse import unquote
+
+from django.core import checks
+
+from .._validation import load_holder
+from ..exceptions import BackendUnavailable, LockConfigurationError
+from .base import BaseLockBackend, Grant, LockInfo
+
+try:
+    import grpc
+    from etcd3 import etcdrpc as rpc
+    from etcd3.etcdrpc import kv_pb2
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "The etcd lock backend needs etcd3-fc: pip install 'django-dlock[etcd]'"
+    ) from e
+
+#: gRPC codes after which the request goes to the next endpoint.
+RETRY_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN}
+)
+#: Pause between rounds over every endpoint while a cluster elects a leader.
+RETRY_PAUSE = 0.05
+
+_CREATE_ASC = {"sort_order": rpc.RangeRequest.ASCEND, "sort_target": rpc.RangeRequest.CREATE}
+_CREATE_DESC = {"sort_order": rpc.RangeRequest.DESCEND, "sort_target": rpc.RangeRequest.CREATE}
+_DELETE = kv_pb2.Event.DELETE
+
+
+def _escape(name: str) -> bytes:
+    return name.replace("%", "%25").replace("/", "%2F").encode()
+
+
+def _unescape(part: bytes) -> str:
+    return unquote(part.decode(errors="replace"))
+
+
+def _range_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix``."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"
+
+
+def _txn(compare: list[Any], success: list[Any], failure: list[Any] | None = None) -> Any:
+    return rpc.TxnRequest(compare=compare, success=success, failure=failure or [])
+
+
+def _created_at(key: bytes, revision: int) -> Any:
+    return rpc.Compare(
+        key=key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL, create_revision=revision
+    )
+
+
+def _get(key: bytes, end: bytes | None = None, **kwargs: Any) -> Any:
+    request = rpc.RangeRequest(key=key, range_end=end or b"", **kwargs)
+    return rpc.RequestOp(request_range=request)
+
+
+def _delete(key: bytes) -> Any:
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
+
+
+def _seconds(ttl: float) -> int:
+    """etcd leases are whole seconds; never shorter than asked."""
+    return max(1, math.ceil(ttl))
+
+
+@dataclass(eq=False)
+class _Lease:
+    id: int
+    ttl: int
+    #: ``time.monotonic()`` before which the lease cannot have run out on the server.
+    expires: float
+    #: Granted for one acquisition (``renew=False``, or moved by ``extend``).
+    private: bool = False
+    #: Lock keys (``Pdlock/N/``) that one of our acquisitions has under this lease.
+    names: set[bytes] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One acquisition of ours: queued or holding."""
+
+    base: bytes
+    key: bytes
+    lease: _Lease
+    #: Lease whose id names the key (the lease may since have moved).
+    slot: _Lease
+    revision: int = 0
+    #: The key just ahead of ours and the revision at which we saw it.
+    ahead: tuple[bytes, int] | None = None
+
+
+class _LeaseNotFound(Exception):
+    """A put named a lease that etcd no longer has."""
+
+
+class _Wake:
+    __slots__ = ("cancelled", "event", "watch_id")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.watch_id: int | None = None
+        self.cancelled = False
+
+
+class _Endpoint:
+    def __init__(self, target: str, credentials: Any) -> None:
+        self.target = target
+        self.credentials = credentials
+        self._stubs: tuple[Any, Any, Any, Any] | None = None
+        self._channel: Any = None
+        self._mutex = threading.Lock()
+
+    def stubs(self) -> tuple[Any, Any, Any, Any]:
+        """(KV, Lease, Watch, Auth) stubs on this endpoint's channel, made on first use."""
+        stubs = self._stubs
+        if stubs is None:
+            with self._mutex:
+                if self._stubs is None:
+                    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+                    if self.credentials is None:
+                        channel = grpc.insecure_channel(self.target, options=options)
+                    else:
+                        channel = grpc.secure_channel(
+                            self.target, self.credentials, options=options
+                        )
+                    self._channel = channel
+                    self._stubs = (
+                        rpc.KVStub(channel),
+                        rpc.LeaseStub(channel),
+                        rpc.WatchStub(channel),
+                        rpc.AuthStub(channel),
+                    )
+                stubs = self._stubs
+        return stubs
+
+    def close(self) -> None:
+        with self._mutex:
+            channel, self._channel, self._stubs = self._channel, None, None
+        if channel is not None:
+            channel.close()
+
+
+class _Transport:
+    """Unary calls with failover across the endpoints, and the auth token."""
+
+    def __init__(
+        self,
+        endpoints: list[_Endpoint],
+        timeout: float,
+        user: str | None,
+        password: str | None,
+    ) -> None:
+        self.endpoints = endpoints
+        self.timeout = timeout
+        self.user = user
+        self.password = password
+        self.current = 0
+        self.metadata: tuple[tuple[str, str], ...] | None = None
+        self._auth_mutex = threading.Lock()
+
+    def stubs(self) -> tuple[int, tuple[Any, Any, Any, Any]]:
+        index = self.current
+        return index, self.endpoints[index].stubs()
+
+    def _failed(self, index: int) -> None:
+        if self.current == index:
+            self.current = (index + 1) % len(self.endpoints)
+
+    def _authenticate(self, auth_stub: Any, timeout: float) -> None:
+        with self._auth_mutex:
+            reply = auth_stub.Authenticate(
+                rpc.AuthenticateRequest(name=self.user, password=self.password), timeout=timeout
+            )
+            self.metadata = (("token", reply.token),)
+
+    def call(
+        self, kind: int, method: str, request: Any, *, ambiguous: list[bool] | None = None
+    ) -> Any:
+        """Call ``method`` on stub ``kind`` (0 KV, 1 Lease, 3 Auth), failing over on errors.
+
+        A request that failed may still have been applied; if it is sent again,
+        ``ambiguous`` (when given) gets True appended.
+        """
+        deadline = time.monotonic() + self.timeout
+        tried = 0
+        authenticated = False
+        while True:
+            index, stubs = self.stubs()
+            remaining = deadline - time.monotonic()
+            try:
+                if self.user is not None and self.metadata is None:
+                    self._authenticate(stubs[3], max(remaining, 0.001))
+                    authenticated = True
+                return getattr(stubs[kind], method)(
+                    request, timeout=max(remaining, 0.001), metadata=self.metadata
+                )
+            except grpc.RpcError as e:
+                code = e.code()
+                if (
+                    self.user is not None
+                    and not authenticated
+                    and (
+                        code == grpc.StatusCode.UNAUTHENTICATED
+                        or "auth token" in (e.details() or "")
+                    )
+                ):
+                    self.metadata = None
+                    authenticated = True
+                    continue
+                if code not in RETRY_CODES:
+                    raise
+                self._failed(index)
+                tried += 1
+                if ambiguous is not None:
+                    ambiguous.append(True)
+                pause = RETRY_PAUSE if tried % len(self.endpoints) == 0 else 0.0
+                if time.monotonic() + pause >= deadline:
+                    raise
+                if pause:
+                    time.sleep(pause)
+
+    def keepalive(self, lease_id: int) -> int:
+        """Refresh a lease; its new TTL, or 0 if it no longer exists."""
+        deadline = time.monotonic() + self.timeout
+        tried = 0
+        while True:
+            index, stubs = self.stubs()
+            try:
+                replies = stubs[1].LeaseKeepAlive(
+                    iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
+                    timeout=max(deadline - time.monotonic(), 0.001),
+                    metadata=self.metadata,
+                )
+                for reply in replies:
+                    return int(reply.TTL)
+                return 0
+            except grpc.RpcError as e:
+                if e.code() not in RETRY_CODES:
+                    raise
+                self._failed(index)
+                tried += 1
+                pause = RETRY_PAUSE if tried % len(self.endpoints) == 0 else 0.0
+                if time.monotonic() + pause >= deadline:
+                    raise
+                if pause:
+                    time.sleep(pause)
+
+    def close(self) -> None:
+        for endpoint in self.endpoints:
+            endpoint.close()
+
+
+class _Watches:
+    """One Watch stream per backend and process; each waiter watches one key.
+
+    etcd answers create requests in order; like the Go client, this sends the
+    next create only when the previous one is confirmed. Waiters do not wait
+    for the confirmation: each watch starts at a past revision, so nothing
+    that happens before it is established is missed.
+    """
+
+    def __init__(self, transport: _Transport) -> None:
+        self._transport = transport
+        self._mutex = threading.Lock()
+        self._outbox: queue.SimpleQueue[Any] | None = None
+        self._call: Any = None
+        self._creating: deque[_Wake] = deque()
+        self._held: deque[tuple[_Wake, Any]] = deque()
+        self._active: dict[int, _Wake] = {}
+
+    def watch(self, key: bytes, start_revision: int) -> _Wake:
+        wake = _Wake()
+        request = rpc.WatchRequest(
+            create_request=rpc.WatchCreateRequest(
+                key=key,
+                start_revision=start_revision,
+                filters=[rpc.WatchCreateRequest.NOPUT],
+            )
+        )
+        with self._mutex:
+            if self._outbox is None:
+                self._start()
+            assert self._outbox is not None
+            if self._creating:
+                self._held.append((wake, request))
+            else:
+                self._creating.append(wake)
+                self._outbox.put(request)
+        return wake
+
+    def cancel(self, wake: _Wake) -> None:
+        with self._mutex:
+            wake.cancelled = True
+            if wake.watch_id is not None:
+                if self._active.pop(wake.watch_id, None) is not None and self._outbox:
+                    self._outbox.put(_cancel(wake.watch_id))
+            else:
+                self._held = deque(item for item in self._held if item[0] is not wake)
+
+    def close(self) -> None:
+        with self._mutex:
+            outbox, self._outbox = self._outbox, None
+            call, self._call = self._call, None
+            wakes = self._drop_all()
+        if outbox is not None:
+            outbox.put(None)
+        if call is not None:
+            # etcd keeps a watch stream open after the client half-closes it.
+            call.cancel()
+        for wake in wakes:
+            wake.event.set()
+
+    def _drop_all(self) -> list[_Wake]:
+        wakes = [*self._creating, *(w for w, _ in self._held), *self._active.values()]
+        self._creating.clear()
+        self._held.clear()
+        self._active.clear()
+        return wakes
+
+    def _start(self) -> None:
+        outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+        def requests() -> Iterator[Any]:
+            while True:
+                request = outbox.get()
+                if request is None:
+                    return
+                yield request
+
+        _, stubs = self._transport.stubs()
+        call = stubs[2].Watch(requests(), metadata=self._transport.metadata)
+        self._outbox = outbox
+        self._call = call
+        thread = threading.Thread(
+            target=self._run, args=(outbox, call), name="django-dlock-etcd-watch", daemon=True
+        )
+        thread.start()
+
+    def _run(self, outbox: queue.SimpleQueue[Any], call: Any) -> None:
+        try:
+            for reply in call:
+                self._handle(outbox, reply)
+        except grpc.RpcError:
+            pass  # every waiter re-checks below, and the next wait opens a new stream
+        finally:
+            with self._mutex:
+                wakes = []
+                if self._outbox is outbox:
+                    self._outbox = None
+                    self._call = None
+                    wakes = self._drop_all()
+            outbox.put(None)
+            for wake in wakes:
+                wake.event.set()
+
+    def _handle(self, outbox: queue.SimpleQueue[Any], reply: Any) -> None:
+        with self._mutex:
+            if self._outbox is not outbox:
+                return
+            if reply.created:
+                wake = self._creating.popleft() if self._creating else None
+                if self._held:
+                    nxt, request = self._held.popleft()
+                    self._creating.append(nxt)
+                    outbox.put(request)
+                if wake is None:
+                    return
+                if reply.canceled or reply.compact_revision:
+                    wake.event.set()  # e.g. compacted past our revision: re-check
+                    return
+                wake.watch_id = reply.watch_id
+                if wake.cancelled:
+                    outbox.put(_cancel(reply.watch_id))
+                else:
+                    self._active[reply.watch_id] = wake
+                return
+            wake = self._active.get(reply.watch_id)
+            if wake is None:
+                return
+            if reply.canceled or any(event.type == _DELETE for event in reply.events):
+                del self._active[reply.watch_id]
+                if not reply.canceled:
+                    outbox.put(_cancel(reply.watch_id))
+                wake.event.set()
+
+
+def _cancel(watch_id: int) -> Any:
+    return rpc.WatchRequest(cancel_request=rpc.WatchCancelRequest(watch_id=watch_id))
+
+
+class _State:
+    """What one process knows: its transport, leases, acquisitions and watches."""
+
+    def __init__(self, transport: _Transport) -> None:
+        self.transport = transport
+        self.watches = _Watches(transport)
+        self.mutex = threading.Lock()
+        #: TTL in seconds -> this process's session leases of that TTL
+        self.sessions: dict[int, list[_Lease]] = {}
+        #: owner token -> its acquisition
+        self.entries: dict[str, _Entry] = {}
+        #: key -> create revision of keys that a release or give-up could not
+        #: delete (etcd unreachable) and that a session lease would keep alive
+        self.orphans: dict[bytes, int] = {}
+
+
+_backends: weakref.WeakSet[EtcdBackend] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    # The parent's sessions, channels and acquisitions are the parent's.
+    for backend in list(_backends):
+        backend._state = None
+
+
+def _close_at_exit() -> None:
+    for backend in list(_backends):
+        backend.close()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+atexit.register(_close_at_exit)
+
+
+class EtcdBackend(BaseLockBackend):
+    """Locks in etcd v3; see the module docstring for the algorithm and key layout."""
+
+    supports_fair = True
+    wakes_waiters = True
+    #: etcd leases are whole seconds, and etcd grants none shorter than about
+    #: 1.5 election timeouts: a TTL is rounded up to a whole second.
+    min_ttl = 1.0
+    expiry_slack = 0.5
+    allowed_options = frozenset({"ca", "cert", "key", "user", "password", "timeout"})
+
+    def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
+        super().__init__(alias, params)
+        options = self.options
+        timeout = options.get("timeout", 5.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise self._config_error("OPTIONS['timeout'] must be a positive number of seconds.")
+        self.timeout = float(timeout)
+        for key in ("ca", "cert", "key", "user", "password"):
+            if options.get(key) is not None and not isinstance(options[key], (str, os.PathLike)):
+                raise self._config_error(f"OPTIONS[{key!r}] must be a str.")
+        if ("cert" in options) != ("key" in options):
+            raise self._config_error(
+                "OPTIONS 'cert' and 'key' go together (a client certificate)."
+            )
+        if ("user" in options) != ("password" in options):
+            raise self._config_error("OPTIONS 'user' and 'password' go together.")
+        self.endpoints, self.secure = self._parse_location()
+        self.root = f"{self.key_prefix}dlock/".encode()
+        self._state: _State | None = None
+        self._state_mutex = threading.Lock()
+        self._local = threading.local()
+        _backends.add(self)
+
+    def _config_error(self, message: str) -> LockConfigurationError:
+        return LockConfigurationError(f"Lock backend {self.alias!r}: {message}", alias=self.alias)
+
+    def _parse_location(self) -> tuple[list[str], bool]:
+        location = self.location if self.location is not None else "127.0.0.1:2379"
+        if isinstance(location, str):
+            items = [location]
+        elif isinstance(location, Sequence) and location and not isinstance(location, bytes):
+            items = list(location)
+        else:
+            raise self._config_error(
+                "LOCATION must be an endpoint 'host:port' (or http:// / https:// URL) or a "
+                "list of them."
+            )
+        schemes = set()
+        endpoints = []
+        for item in items:
+            if not isinstance(item, str) or not item:
+                raise self._config_error(f"{item!r} is not an etcd endpoint 'host:port'.")
+            scheme, sep, rest = item.partition("://")
+            if not sep:
+                scheme, rest = "", item
+            if scheme not in ("", "http", "https"):
+                raise self._config_error(f"{item!r}: the scheme must be http or https.")
+            host, colon, port = rest.rstrip("/").rpartition(":")
+            if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise self._config_error(f"{item!r} is not an etcd endpoint 'host:port'.")
+            schemes.add(scheme)
+            endpoints.append(f"{host}:{port}")
+        tls_files = any(self.options.get(k) for k in ("ca", "cert", "key"))
+        if "http" in schemes and (tls_files or "https" in schemes):
+            raise self._config_error(
+                "http:// endpoints do not use TLS; use https:// with OPTIONS 'ca'/'cert'/'key'."
+            )
+        return endpoints, "https" in schemes or tls_files
+
+    def check(self) -> list[checks.CheckMessage]:
+        messages: list[checks.CheckMessage] = []
+        for key in ("ca", "cert", "key"):
+            path = self.options.get(key)
+            if path is not None and not os.path.isfile(path):
+                messages.append(
+                    checks.Error(
+                        f"Lock backend {self.alias!r}: OPTIONS[{key!r}] {str(path)!r} is not "
+                        "a readable file.",
+                        id="django_dlock.E006",
+                    )
+                )
+        return messages
+
+    # --- per-process state ------------------------------------------------------------
+
+    def _credentials(self) -> Any:
+        if not self.secure:
+            return None
+
+        def read(key: str) -> bytes | None:
+            path = self.options.get(key)
+            if path is None:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as e:
+                raise self._config_error(f"cannot read OPTIONS[{key!r}]: {e}") from e
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read("ca"), private_key=read("key"), certificate_chain=read("cert")
+        )
+
+    @property
+    def state(self) -> _State:
+        state = self._state
+        if state is None:
+            with self._state_mutex:
+                if self._state is None:
+                    credentials = self._credentials()
+                    transport = _Transport(
+                        [_Endpoint(target, credentials) for target in self.endpoints],
+                        self.timeout,
+                        self.options.get("user"),
+                        self.options.get("password"),
+                    )
+                    self._state = _State(transport)
+                state = self._state
+        return state
+
+    def close(self) -> None:
+        """Revoke this process's leases (held locks are released at once) and disconnect."""
+        with self._state_mutex:
+            state, self._state = self._state, None
+        if state is None:
+            return
+        state.watches.close()
+        # Do not hang an exiting process on an unreachable cluster.
+        state.transport.timeout = min(state.transport.timeout, 1.0)
+        with state.mutex:
+            leases = {id(s): s for ss in state.sessions.values() for s in ss}
+            leases.update({id(e.lease): e.lease for e in state.entries.values()})
+            state.sessions.clear()
+            state.entries.clear()
+        for lease in leases.values():
+            with contextlib.suppress(grpc.RpcError):  # it runs out by itself
+                state.transport.call(1, "LeaseRevoke", rpc.LeaseRevokeRequest(ID=lease.id))
+        state.transport.close()
+
+    def _unavailable(self, name: str, error: grpc.RpcError) -> BackendUnavailable:
+        details = error.details() if hasattr(error, "details") else str(error)
+        return BackendUnavailable(
+            f"etcd at {', '.join(self.endpoints)} failed for lock {name!r} on backend "
+            f"{self.alias!r}: {error.code().name if hasattr(error, 'code') else ''} {details}",
+            name=name,
+            backend=self.alias,
+        )
+
+    def _call(self, name: str, kind: int, method: str, request: Any, **kwargs: Any) -> Any:
+        try:
+            return self.state.transport.call(kind, method, request, **kwargs)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND and "lease not found" in (e.details() or ""):
+                raise _LeaseNotFound(e.details()) from e
+            raise self._unavailable(name, e) from e
+
+    def _txn(self, name: str, request: Any, **kwargs: Any) -> Any:
+        return self._call(name, 0, "Txn", request, **kwargs)
+
+    # --- leases -----------------------------------------------------------------------
+
+    def _grant(self, name: str, seconds: int, private: bool) -> _Lease:
+        sent = time.monotonic()
+        reply = self._call(name, 1, "LeaseGrant", rpc.LeaseGrantRequest(TTL=seconds))
+        if reply.error:
+            raise BackendUnavailable(
+                f"etcd refused a lease for lock {name!r} on backend {self.alias!r}: {reply.error}",
+                name=name,
+                backend=self.alias,
+            )
+        return _Lease(int(reply.ID), int(reply.TTL), sent + int(reply.TTL), private)
+
+    def _keepalive(self, name: str, lease: _Lease) -> bool:
+        """Refresh ``lease``; False if it had already run out."""
+        sent = time.monotonic()
+        try:
+            ttl = self.state.transport.keepalive(lease.id)
+        except grpc.RpcError as e:
+            raise self._unavailable(name, e) from e
+        if ttl <= 0:
+            lease.expires = 0.0
+            return False
+        lease.ttl = ttl
+        lease.expires = max(lease.expires, sent + ttl)
+        return True
+
+    def _revoke_quietly(self, lease: _Lease) -> None:
+        # Not found (it ran out) or unreachable: it runs out by itself.
+        with contextlib.suppress(grpc.RpcError):
+            self.state.transport.call(1, "LeaseRevoke", rpc.LeaseRevokeRequest(ID=lease.id))
+
+    def _take_slot(self, name: str, base: bytes, ttl: float, renew: bool) -> _Lease:
+        """A lease under which ``base`` has no key of ours yet, fresh enough for ``ttl``."""
+        seconds = _seconds(ttl)
+        if not renew:
+            lease = self._grant(name, seconds, private=True)
+            lease.names.add(base)
+            return lease
+        state = self.state
+        while True:
+            now = time.monotonic()
+            stale: _Lease | None = None
+            with state.mutex:
+                sessions = state.sessions.setdefault(seconds, [])
+                for lease in sessions:
+                    if base in lease.names:
+                        continue
+                    if lease.expires - now < ttl / 2:
+                        stale = stale or lease
+                        continue
+                    lease.names.add(base)
+                    return lease
+                if stale is not None:
+                    # Claim it while it is refreshed, so another thread takes another.
+                    stale.names.add(base)
+            if stale is None:
+                lease = self._grant(name, seconds, private=False)
+                with state.mutex:
+                    lease.names.add(base)
+                    state.sessions.setdefault(seconds, []).append(lease)
+                return lease
+            try:
+                alive = stale.expires > time.monotonic() and self._keepalive(name, stale)
+            except BaseException:
+                self._free_slot(stale, base)
+                raise
+            if alive:
+                return stale
+            with state.mutex:
+                stale.names.discard(base)
+                if stale in sessions:
+                    sessions.remove(stale)
+
+    def _free_slot(self, lease: _Lease, base: bytes) -> None:
+        with self.state.mutex:
+            lease.names.discard(base)
+
+    def _forget(self, owner: str, *, revoke: bool = True) -> _Entry | None:
+        """Drop ``owner``'s acquisition; revoke its lease if it had one of its own."""
+        state = self.state
+        with state.mutex:
+            entry = state.entries.pop(owner, None)
+            if entry is not None:
+                entry.slot.names.discard(entry.base)
+        if revoke and entry is not None and entry.lease.private:
+            self._revoke_quietly(entry.lease)
+        return entry
+
+    # --- primitives -------------------------------------------------------------------
+
+    def _acquire(
+        self,
+        name: str,
+        ttl: float | None,
+        timeout: float | None,
+        metadata: Mapping[str, Any] | None,
+        renew: bool,
+    ) -> Any:
+        # do_acquire's signature is the same for every backend; whether the
+        # lease will be renewed decides which etcd lease the key goes under.
+        self._local.renew = renew
+        return super()._acquire(name, ttl, timeout, metadata, renew)
+
+    def _base(self, name: str) -> bytes:
+        return self.root + _escape(name) + b"/"
+
+    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | Grant | None:
+        state = self.state
+        started = time.monotonic()
+        if state.orphans:
+            self._sweep_orphans()
+        entry = state.entries.get(owner)
+        if entry is not None:
+            return self._recheck(name, owner, entry, ttl)
+        base = self._base(name)
+        lease = self._take_slot(name, base, ttl, getattr(self._local, "renew", True))
+        key = base + f"{lease.id:x}".encode()
+        entry = _Entry(base, key, lease, lease)
+        with state.mutex:
+            state.entries[owner] = entry
+        end = _range_end(base)
+        request = _txn(
+            [_created_at(key, 0)],
+            [
+                rpc.RequestOp(
+                    request_put=rpc.PutRequest(key=key, value=holder.encode(), lease=lease.id)
+                ),
+                _get(base, end, limit=1, keys_only=True, **_CREATE_ASC),
+                _get(base, end, limit=2, keys_only=True, **_CREATE_DESC),
+            ],
+            [_get(key)],
+        )
+        try:
+            for _ in range(3):
+                retried: list[bool] = []
+                reply = self._txn(name, request, ambiguous=retried)
+                if reply.succeeded:
+                    break
+                [kv] = reply.responses[0].response_range.kvs or [None]
+                if kv is not None and retried and kv.lease == lease.id:
+                    # Our put was applied by the try that failed over: the key is ours.
+                    entry.revision = kv.create_revision
+                    return self._recheck(name, owner, entry, ttl)
+                if kv is not None:
+                    # Left by a release of ours that could not reach etcd: never
+                    # reuse its revision as a token; delete it and put anew.
+                    self._txn(name, _txn([_created_at(key, kv.create_revision)], [_delete(key)]))
+            else:
+                raise BackendUnavailable(
+                    f"etcd key {key!r} for lock {name!r} on backend {self.alias!r} keeps "
+                    "coming back.",
+                    name=name,
+                    backend=self.alias,
+                )
+        except _LeaseNotFound:
+            # Revoked behind our back, or etcd lost its data: use a new lease.
+            lease.expires = 0.0
+            self._forget(owner)
+            with state.mutex:
+                for sessions in state.sessions.values():
+                    if lease in sessions:
+                        sessions.remove(lease)
+            return self.do_acquire(name, owner, ttl, holder)
+        except BaseException:
+            self._forget(owner)
+            raise
+        entry.revision = reply.header.revision
+        lowest = reply.responses[1].response_range.kvs
+        if lowest and lowest[0].key == key:
+            return self._granted(name, entry, ttl, started)
+        below = [kv for kv in reply.responses[2].response_range.kvs if kv.key != key]
+        entry.ahead = (below[0].key, reply.header.revision) if below else None
+        return None
+
+    def _recheck(self, name: str, owner: str, entry: _Entry, ttl: float) -> int | Grant | None:
+        """After a wait: are we first now? If not, whom to watch next."""
+        end = _range_end(entry.base)
+        reply = self._txn(
+            name,
+            _txn(
+                [_created_at(entry.key, entry.revision)],
+                [
+                    _get(entry.base, end, limit=1, keys_only=True, **_CREATE_ASC),
+                    _get(
+                        entry.base,
+                        end,
+                        limit=1,
+                        keys_only=True,
+                        max_create_revision=entry.revision - 1,
+                        **_CREATE_DESC,
+                    ),
+                ],
+            ),
+        )
+        if not reply.succeeded:
+            # Our key is gone (its lease ran out, or someone broke the queue
+            # entry): queue again at the back.
+            self._forget(owner)
+            return None
+        lowest = reply.responses[0].response_range.kvs
+        if lowest and lowest[0].key == entry.key:
+            return self._granted(name, entry, ttl, None)
+        ahead = reply.responses[1].response_range.kvs
+        entry.ahead = (ahead[0].key, reply.header.revision) if ahead else None
+        return None
+
+    def _granted(self, name: str, entry: _Entry, ttl: float, started: float | None) -> int | Grant:
+        lease = entry.lease
+        now = time.monotonic()
+        if lease.expires - now < ttl / 2 and not self._keepalive(name, lease):
+            # Cannot happen while the key exists; treat as a lease that ends now.
+            return Grant(entry.revision, now, 0.001)
+        if started is not None and lease.expires - lease.ttl >= started and lease.ttl >= ttl:
+            # Granted or refreshed within this attempt: it runs at least ``ttl``
+            # from when the caller sent the attempt.
+            return entry.revision
+        return Grant(entry.revision, lease.expires, max(lease.expires - now, 0.001))
+
+    def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
+        """Watch the key ahead of ours for its delete; keep our lease alive meanwhile."""
+        entry = self.state.entries.get(owner)
+        if entry is None or entry.ahead is None:
+            return
+        lease = entry.lease
+        refresh_in = lease.expires - time.monotonic() - lease.ttl / 2
+        timeout = refresh_in if remaining is None else min(remaining, refresh_in)
+        if timeout > 0:
+            watches = self.state.watches
+            wake = watches.watch(entry.ahead[0], entry.ahead[1] + 1)
+            try:
+                wake.event.wait(timeout)
+            finally:
+                watches.cancel(wake)
+        if lease.expires - time.monotonic() <= lease.ttl / 2:
+            self._keepalive(name, lease)
+
+    def do_release(self, name: str, owner: str) -> bool:
+        entry = self._forget(owner, revoke=False)
+        if entry is None:
+            return False
+        retried: list[bool] = []
+        reply = self._delete_entry(name, entry, ambiguous=retried)
+        # A delete that failed over may have been applied by the first try.
+        return bool(reply.succeeded) or bool(retried)
+
+    def do_abandon(self, name: str, owner: str) -> None:
+        entry = self._forget(owner, revoke=False)
+        if entry is not None:
+            self._delete_entry(name, entry)
+
+    def _delete_entry(self, name: str, entry: _Entry, **kwargs: Any) -> Any:
+        """Delete our key if it is still the one we created; revoke a lease of its own."""
+        try:
+            return self._txn(
+                name,
+                _txn([_created_at(entry.key, entry.revision)], [_delete(entry.key)]),
+                **kwargs,
+            )
+        except BackendUnavailable:
+            if not entry.lease.private:
+                # The session lease would keep the key alive: delete it later.
+                self.state.orphans[entry.key] = entry.revision
+            raise
+        finally:
+            if entry.lease.private:
+                self._revoke_quietly(entry.lease)
+
+    def _sweep_orphans(self) -> None:
+        """Delete keys that an earlier release could not; quietly, at most once each call."""
+        orphans = self.state.orphans
+        for key, revision in list(orphans.items()):
+            try:
+                self.state.transport.call(
+                    0, "Txn", _txn([_created_at(key, revision)], [_delete(key)])
+                )
+            except grpc.RpcError:
+                return  # still unreachable; the next renewal tries again
+            orphans.pop(key, None)
+
+    def do_extend(self, name: str, owner: str, ttl: float) -> bool:
+        if self.state.orphans:
+            self._sweep_orphans()
+        entry = self.state.entries.get(owner)
+        if entry is None:
+            return False
+        seconds = _seconds(ttl)
+        if seconds != entry.lease.ttl:
+            return self._move(name, owner, entry, seconds)
+        if not self._keepalive(name, entry.lease):
+            self._forget(owner)
+            return False
+        return self._check(name, owner, entry)
+
+    def _move(self, name: str, owner: str, entry: _Entry, seconds: int) -> bool:
+        """Put our key under a lease of its own of ``seconds`` (extend with a new TTL)."""
+        lease = self._grant(name, seconds, private=True)
+        reply = self._txn(
+            name,
+            _txn(
+                [_created_at(entry.key, entry.revision)],
+                [
+                    rpc.RequestOp(
+                        request_put=rpc.PutRequest(
+                            key=entry.key, lease=lease.id, ignore_value=True
+                        )
+                    )
+                ],
+            ),
+        )
+        if not reply.succeeded:
+            self._revoke_quietly(lease)
+            self._forget(owner)
+            return False
+        old, entry.lease = entry.lease, lease
+        if old.private:
+            self._revoke_quietly(old)
+        return True
+
+    def _check(self, name: str, owner: str, entry: _Entry) -> bool:
+        reply = self._call(name, 0, "Range", rpc.RangeRequest(key=entry.key, keys_only=True))
+        if reply.kvs and reply.kvs[0].create_revision == entry.revision:
+            return True
+        self._forget(owner)
+        return False
+
+    def do_check(self, name: str, owner: str) -> bool:
+        entry = self.state.entries.get(owner)
+        return entry is not None and self._check(name, owner, entry)
+
+    def do_break(self, name: str) -> bool:
+        base = self._base(name)
+        end = _range_end(base)
+        while True:
+            reply = self._call(
+                name, 0, "Range", rpc.RangeRequest(key=base, range_end=end, limit=1, **_CREATE_ASC)
+            )
+            if not reply.kvs:
+                return False
+            kv = reply.kvs[0]
+            deleted = self._txn(
+                name, _txn([_created_at(kv.key, kv.create_revision)], [_delete(kv.key)])
+            )
+            if deleted.succeeded:
+                return True
+            # That holder released meanwhile; break whoever holds it now.
+
+    def do_list(self, prefix: str) -> list[LockInfo]:
+        start = self.root + _escape(prefix)
+        reply = self._call(
+            prefix or "*",
+            0,
+            "Range",
+            rpc.RangeRequest(key=start, range_end=_range_end(start), **_CREATE_ASC),
+        )
+        holders: dict[bytes, Any] = {}
+        for kv in reply.kvs:
+            base, _, _ = kv.key.rpartition(b"/")
+            if len(base) <= len(self.root):
+                continue  # not a lock's key: Pdlock/<name>/<lease>
+            holders.setdefault(base, kv)  # ascending create revision: the first is the holder
+        now = datetime.now(timezone.utc)
+        ttls: dict[int, int] = {}
+        infos = []
+        for base, kv in holders.items():
+            if kv.lease and kv.lease not in ttls:
+                info = self._call(
+                    prefix or "*", 1, "LeaseTimeToLive", rpc.LeaseTimeToLiveRequest(ID=kv.lease)
+                )
+                ttls[kv.lease] = int(info.TTL)
+            remaining = float(ttls[kv.lease]) if kv.lease else math.inf
+            if remaining < 0:
+                continue  # ran out between the two reads
+            holder = load_holder(kv.value.decode(errors="replace"))
+            infos.append(
+                LockInfo(
+                    backend=self.alias,
+                    name=_unescape(base[len(self.root) :]),
+                    token=int(kv.create_revision),
+                    holder=holder,
+                    acquired_at=_acquired_at(holder, now),
+                    expires_at=(
+                        now + timedelta(seconds=remaining)
+                        if math.isfinite(remaining)
+                        else datetime.max.replace(tzinfo=timezone.utc)
+                    ),
+                    expires_in=remaining,
+                )
+            )
+        return infos
+
+
+def _acquired_at(holder: dict[str, Any], default: datetime) -> datetime:
+    """etcd keys carry no time; the holder's own ``acquired_at`` (its clock) is the best known."""
+    text = holder.get("acquired_at")
+    if isinstance(text, str):
+        try:
+            value = datetime.fromisoformat(text)
+        except ValueError:
+            return default
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return default
