@@ -279,3 +279,40 @@ def start_etcd_cluster(ports: list[tuple[int, int]], prefix: str) -> list[EtcdSe
     for member in members:
         member.wait_healthy()
     return members
+
+
+def make_test_ca(d: Path) -> dict[str, Path]:
+    """A throwaway CA in ``d``, a server certificate for 127.0.0.1 and a client certificate.
+
+    Well-formed enough for strict verification (Python 3.13's default
+    VERIFY_X509_STRICT): a CA with key usage, leaves with key identifiers.
+    """
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-subj", "/CN=dlock-test-ca", "-keyout", "ca.key", "-out", "ca.crt",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
+    for leaf, usage in (("server", "serverAuth"), ("client", "clientAuth")):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={leaf}",
+                "-keyout", f"{leaf}.key", "-out", f"{leaf}.csr")  # fmt: skip
+        (d / f"{leaf}.ext").write_text(
+            "subjectAltName=IP:127.0.0.1\n"
+            "basicConstraints=critical,CA:FALSE\n"
+            "keyUsage=critical,digitalSignature,keyEncipherment\n"
+            f"extendedKeyUsage={usage}\n"
+            "subjectKeyIdentifier=hash\n"
+            "authorityKeyIdentifier=keyid,issuer\n"
+        )
+        openssl("x509", "-req", "-in", f"{leaf}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-days", "1", "-extfile", f"{leaf}.ext",
+                "-out", f"{leaf}.crt")  # fmt: skip
+    return {
+        "ca": d / "ca.crt",
+        "cert": d / "server.crt",
+        "key": d / "server.key",
+        "client_cert": d / "client.crt",
+        "client_key": d / "client.key",
+    }

@@ -24,7 +24,7 @@ from django_dlock import BackendUnavailable, LockTimeout, lock, locks
 from django_dlock.backends.base import Grant
 from django_dlock.backends.redis import WAITER_LEASE_MS, RedisBackend
 from django_dlock.checks import check_backends
-from tests.servers import RedisServer, free_port, redis_cli, wait_for
+from tests.servers import RedisServer, free_port, make_test_ca, redis_cli, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS = "django_dlock.backends.redis.RedisBackend"
@@ -298,31 +298,7 @@ def test_password_and_database_in_the_url(name: str) -> None:
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("tls")
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
-
-    # Well-formed enough for strict verification (Python 3.13's default
-    # VERIFY_X509_STRICT): a CA with key usage, a leaf with key identifiers.
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            "-subj", "/CN=dlock-test-ca", "-keyout", "ca.key", "-out", "ca.crt",
-            "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
-            "-keyout", "server.key", "-out", "server.csr")  # fmt: skip
-    (d / "leaf.ext").write_text(
-        "subjectAltName=IP:127.0.0.1\n"
-        "basicConstraints=critical,CA:FALSE\n"
-        "keyUsage=critical,digitalSignature,keyEncipherment\n"
-        "extendedKeyUsage=serverAuth\n"
-        "subjectKeyIdentifier=hash\n"
-        "authorityKeyIdentifier=keyid,issuer\n"
-    )
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "1", "-extfile", "leaf.ext",
-            "-out", "server.crt")  # fmt: skip
-    return {"ca": d / "ca.crt", "cert": d / "server.crt", "key": d / "server.key"}
+    return make_test_ca(tmp_path_factory.mktemp("tls"))
 
 
 def test_tls_with_rediss_url(tls_files: dict[str, Path], name: str) -> None:

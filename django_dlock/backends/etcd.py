@@ -83,6 +83,10 @@ RETRY_CODES = frozenset(
 )
 #: Pause between rounds over every endpoint while a cluster elects a leader.
 RETRY_PAUSE = 0.05
+#: One try may take this share of an operation's ``timeout``. A request that a
+#: member forwarded to a leader that has just died is dropped without an
+#: answer; the next try, on the next member, reaches the new leader.
+ATTEMPT_SHARE = 0.25
 
 _CREATE_ASC = {"sort_order": rpc.RangeRequest.ASCEND, "sort_target": rpc.RangeRequest.CREATE}
 _CREATE_DESC = {"sort_order": rpc.RangeRequest.DESCEND, "sort_target": rpc.RangeRequest.CREATE}
@@ -231,6 +235,9 @@ class _Transport:
         index = self.current
         return index, self.endpoints[index].stubs()
 
+    def _attempt(self, remaining: float) -> float:
+        return max(min(remaining, self.timeout * ATTEMPT_SHARE), 0.001)
+
     def _failed(self, index: int) -> None:
         if self.current == index:
             self.current = (index + 1) % len(self.endpoints)
@@ -261,7 +268,7 @@ class _Transport:
                     self._authenticate(stubs[3], max(remaining, 0.001))
                     authenticated = True
                 return getattr(stubs[kind], method)(
-                    request, timeout=max(remaining, 0.001), metadata=self.metadata
+                    request, timeout=self._attempt(remaining), metadata=self.metadata
                 )
             except grpc.RpcError as e:
                 code = e.code()
@@ -297,7 +304,7 @@ class _Transport:
             try:
                 replies = stubs[1].LeaseKeepAlive(
                     iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
-                    timeout=max(deadline - time.monotonic(), 0.001),
+                    timeout=self._attempt(deadline - time.monotonic()),
                     metadata=self.metadata,
                 )
                 for reply in replies:

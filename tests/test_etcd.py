@@ -1,0 +1,535 @@
+"""The etcd backend beyond the conformance suite: key layout, etcdctl interop, the
+FIFO queue, leases, connections (TLS, auth, failover) and a 3-member cluster
+losing a follower and then its leader while locks are held and waited for.
+
+Every test talks to real etcd members that the tests start (tests/servers.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.core import checks
+from django.test import override_settings
+
+from django_dlock import BackendUnavailable, HeldLock, LockTimeout, lock, locks
+from django_dlock.backends.etcd import EtcdBackend
+from django_dlock.checks import check_backends
+from django_dlock.exceptions import LockConfigurationError
+from tests.servers import (
+    EtcdServer,
+    etcdctl,
+    free_port,
+    make_test_ca,
+    start_etcd_cluster,
+    wait_for,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+ETCD = "django_dlock.backends.etcd.EtcdBackend"
+
+pytestmark = pytest.mark.skipif(
+    "etcd" in settings.UNAVAILABLE_BACKENDS,
+    reason=settings.UNAVAILABLE_BACKENDS.get("etcd", ""),
+)
+
+
+@pytest.fixture
+def single(etcd_servers: dict[str, Any]) -> EtcdServer:
+    server: EtcdServer = etcd_servers["single"]
+    return server
+
+
+def keys(endpoint: str, prefix: str) -> list[dict[str, Any]]:
+    """The keys under ``prefix`` as etcdctl sees them, in create-revision order."""
+    out = etcdctl(endpoint, "get", "--prefix", prefix, "-w", "json").stdout
+    kvs = json.loads(out).get("kvs", [])
+    for kv in kvs:
+        kv["key"] = base64.b64decode(kv["key"]).decode()
+        kv["value"] = base64.b64decode(kv.get("value", "")).decode()
+    return sorted(kvs, key=lambda kv: kv["create_revision"])
+
+
+def python(code: str) -> subprocess.Popen[str]:
+    """Another process with Django's default settings and an etcd backend object."""
+    prelude = (
+        "import django\nfrom django.conf import settings\nsettings.configure()\n"
+        "django.setup()\nfrom django_dlock.backends.etcd import EtcdBackend\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+# --- layout and interop ---------------------------------------------------------------
+
+
+def test_keys_are_as_documented(single: EtcdServer, name: str) -> None:
+    backend = locks["etcd"]
+    with lock(f"{name}/sub", backend="etcd", metadata={"note": "n"}) as held:
+        [kv] = keys(single.endpoint, "dlock/")[-1:]
+        escaped = name.replace("%", "%25").replace("/", "%2F")
+        lease_hex = kv["key"].rsplit("/", 1)[1]
+        assert kv["key"] == f"dlock/{escaped}%2Fsub/{lease_hex}"
+        assert int(lease_hex, 16) == kv["lease"]
+        assert kv["create_revision"] == held.token
+        assert json.loads(kv["value"])["note"] == "n"
+        info = etcdctl(single.endpoint, "lease", "timetolive", lease_hex).stdout
+        assert "remaining" in info, info
+        [listed] = backend.list(f"{name}/")
+        assert listed.name == f"{name}/sub"
+    assert keys(single.endpoint, f"dlock/{escaped}") == []
+
+
+def test_names_with_slashes_are_separate_locks(name: str) -> None:
+    with lock(f"{name}/a", backend="etcd"), lock(f"{name}/a/b", backend="etcd", timeout=0):
+        with lock(name, backend="etcd", timeout=0):
+            names = [i.name for i in locks["etcd"].list(name)]
+            assert names == [name, f"{name}/a", f"{name}/a/b"]
+
+
+def test_etcdctl_lock_waits_while_we_hold(single: EtcdServer, name: str) -> None:
+    held = lock(name, backend="etcd").acquire()
+    proc = subprocess.Popen(
+        ["etcdctl", f"--endpoints={single.endpoint}", "lock", f"dlock/{name}", "echo", "got-it"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"ETCDCTL_API": "3", "PATH": os.environ["PATH"]},
+    )
+    try:
+        wait_for(lambda: len(keys(single.endpoint, f"dlock/{name}/")) == 2, 10, "etcdctl queued")
+        time.sleep(0.5)
+        assert proc.poll() is None, "etcdctl got the lock while we held it"
+        held.release()
+        out, _ = proc.communicate(timeout=20)
+        assert "got-it" in out
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_we_wait_while_etcdctl_holds(single: EtcdServer, name: str) -> None:
+    proc = subprocess.Popen(
+        ["etcdctl", f"--endpoints={single.endpoint}", "lock", f"dlock/{name}"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"ETCDCTL_API": "3", "PATH": os.environ["PATH"]},
+    )
+    try:
+        assert proc.stdout is not None
+        key = proc.stdout.readline().strip()  # printed once etcdctl holds the lock
+        assert key.startswith(f"dlock/{name}/")
+        with pytest.raises(LockTimeout):
+            lock(name, backend="etcd", timeout=0).acquire()
+        [info] = locks["etcd"].list(name)
+        assert info.holder == {}  # etcdctl stores no metadata
+        got: list[HeldLock] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(lock(name, backend="etcd", timeout=30).acquire())
+        )
+        waiter.start()
+        time.sleep(0.5)
+        assert got == []
+        proc.send_signal(signal.SIGINT)  # etcdctl revokes its session and exits
+        waiter.join(30)
+        assert got, "we did not get the lock after etcdctl let go"
+        assert got[0].token > info.token
+        got[0].release()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# --- the queue --------------------------------------------------------------------------
+
+
+def _queue_length(endpoint: str, name: str) -> int:
+    return len(keys(endpoint, f"dlock/{name}/"))
+
+
+def test_waiters_are_served_in_arrival_order(single: EtcdServer, name: str) -> None:
+    holder = lock(name, backend="etcd").acquire()
+    order: list[tuple[int, int]] = []
+    threads = []
+    for i in range(6):
+
+        def waiter(i: int = i) -> None:
+            with lock(name, backend="etcd", timeout=60) as held:
+                order.append((i, held.token))
+                time.sleep(0.01)
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        threads.append(thread)
+        # The next waiter starts only once this one has its key in the queue.
+        wait_for(lambda i=i: _queue_length(single.endpoint, name) == i + 2, 10, "queued")
+    holder.release()
+    for thread in threads:
+        thread.join(60)
+    assert [i for i, _ in order] == list(range(6))
+    tokens = [holder.token] + [t for _, t in order]
+    assert all(a < b for a, b in itertools.pairwise(tokens)), tokens
+
+
+def test_waiter_that_gives_up_leaves_the_queue(single: EtcdServer, name: str) -> None:
+    with lock(name, backend="etcd"):
+        with pytest.raises(LockTimeout):
+            lock(name, backend="etcd", timeout=0.3).acquire()
+        with pytest.raises(LockTimeout):
+            lock(name, backend="etcd", timeout=0).acquire()
+        assert _queue_length(single.endpoint, name) == 1
+
+
+def test_waiter_that_dies_leaves_the_queue_with_its_lease(single: EtcdServer, name: str) -> None:
+    holder = lock(name, backend="etcd").acquire()
+    proc = python(
+        f"b = EtcdBackend('x', {{'LOCATION': {single.endpoint!r}}})\n"
+        f"b.acquire({name!r}, ttl=1, timeout=60)\n"
+    )
+    try:
+        wait_for(lambda: _queue_length(single.endpoint, name) == 2, 20, "the process queued")
+        got: list[HeldLock] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(lock(name, backend="etcd", timeout=30).acquire())
+        )
+        waiter.start()
+        wait_for(lambda: _queue_length(single.endpoint, name) == 3, 10, "the thread queued")
+        proc.kill()  # the waiter ahead of our thread dies without a word
+        proc.wait()
+        holder.release()
+        waiter.join(30)
+        assert got, "the waiter behind a dead one was stranded"
+        got[0].release()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_holder_killed_frees_the_lock_when_its_lease_runs_out(
+    single: EtcdServer, name: str
+) -> None:
+    proc = python(
+        f"b = EtcdBackend('x', {{'LOCATION': {single.endpoint!r}}})\n"
+        f"h = b.acquire({name!r}, ttl=1)\nprint(h.token, flush=True)\n"
+        "import time; time.sleep(600)\n"
+    )
+    try:
+        assert proc.stdout is not None
+        token = int(proc.stdout.readline())
+        proc.kill()
+        proc.wait()
+        started = time.monotonic()
+        with lock(name, backend="etcd", timeout=15) as held:
+            assert held.token > token
+        # The watchdog renewed the 1 s lease while the process lived; once it
+        # was killed the lease ran out by etcd's clock.
+        assert time.monotonic() - started < 15
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# --- leases -----------------------------------------------------------------------------
+
+
+def test_one_session_lease_per_process_and_ttl(single: EtcdServer, name: str) -> None:
+    backend = EtcdBackend("own", {"LOCATION": single.endpoint})
+    try:
+        a = backend.acquire(f"{name}:a")
+        b = backend.acquire(f"{name}:b")
+        c = backend.acquire(f"{name}:c", ttl=10)
+        d = backend.acquire(f"{name}:d", renew=False)
+        ours = [
+            kv for kv in keys(single.endpoint, "dlock/") if kv["key"].startswith(f"dlock/{name}:")
+        ]
+        lease = {kv["key"].split("/")[-2][-1]: kv["lease"] for kv in ours}
+        assert lease["a"] == lease["b"], "two locks of one process and TTL share a session"
+        assert lease["c"] != lease["a"], "another TTL is another session"
+        assert lease["d"] not in (lease["a"], lease["c"]), "renew=False has a lease of its own"
+        d.release()
+        out = etcdctl(single.endpoint, "lease", "timetolive", f"{lease['d']:x}").stdout
+        assert "already expired" in out or "not found" in out, out
+        for held in (a, b, c):
+            held.release()
+    finally:
+        backend.close()
+
+
+def test_close_revokes_the_session(single: EtcdServer, name: str) -> None:
+    backend = EtcdBackend("own", {"LOCATION": single.endpoint})
+    held = backend.acquire(name, ttl=60)
+    lease_hex = keys(single.endpoint, f"dlock/{name}/")[0]["key"].rsplit("/", 1)[1]
+    backend.close()
+    # Released at once, not 60 s later.
+    assert keys(single.endpoint, f"dlock/{name}/") == []
+    out = etcdctl(single.endpoint, "lease", "timetolive", lease_hex).stdout
+    assert "already expired" in out or "not found" in out, out
+    assert held.lost or not backend.do_check(name, held.owner)
+
+
+def test_a_revoked_session_is_replaced(single: EtcdServer, name: str) -> None:
+    backend = EtcdBackend("own", {"LOCATION": single.endpoint})
+    try:
+        with backend.acquire(name):
+            lease_hex = keys(single.endpoint, f"dlock/{name}/")[0]["key"].rsplit("/", 1)[1]
+        assert etcdctl(single.endpoint, "lease", "revoke", lease_hex).returncode == 0
+        with backend.acquire(name, timeout=0):
+            [kv] = keys(single.endpoint, f"dlock/{name}/")
+            assert kv["key"].rsplit("/", 1)[1] != lease_hex
+    finally:
+        backend.close()
+
+
+def test_ttl_is_rounded_up_to_whole_seconds(single: EtcdServer, name: str) -> None:
+    backend = EtcdBackend("own", {"LOCATION": single.endpoint})
+    try:
+        with backend.acquire(name, ttl=2.5, renew=False) as held:
+            lease_hex = keys(single.endpoint, f"dlock/{name}/")[0]["key"].rsplit("/", 1)[1]
+            out = etcdctl(single.endpoint, "lease", "timetolive", lease_hex).stdout
+            assert "granted with TTL(3s)" in out, out
+            # The handle counts on no more than it asked for.
+            assert held.expires_in <= 2.5
+    finally:
+        backend.close()
+
+
+# --- connections ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "mentions"),
+    [
+        ({"LOCATION": "redis://127.0.0.1:2379"}, "scheme"),
+        ({"LOCATION": "127.0.0.1"}, "host:port"),
+        ({"LOCATION": []}, "LOCATION"),
+        ({"LOCATION": ["127.0.0.1:2379", 5]}, "endpoint"),
+        ({"OPTIONS": {"cert": "/c.pem"}}, "go together"),
+        ({"OPTIONS": {"user": "u"}}, "go together"),
+        ({"OPTIONS": {"timeout": 0}}, "timeout"),
+        ({"LOCATION": "http://127.0.0.1:2379", "OPTIONS": {"ca": "/ca.pem"}}, "https"),
+    ],
+)
+def test_bad_settings_are_check_errors(params: dict[str, Any], mentions: str) -> None:
+    with pytest.raises(LockConfigurationError, match=mentions):
+        EtcdBackend("bad", params)
+    setting = {"default": {"BACKEND": "django_dlock.backends.locmem.LocMemBackend"}}
+    setting["e"] = {"BACKEND": ETCD, **params}
+    with override_settings(DLOCK_BACKENDS=setting):
+        errors = list(check_backends())
+    assert [e.id for e in errors] == ["django_dlock.E006"], errors
+    assert "'e'" in errors[0].msg
+
+
+def test_missing_tls_file_is_a_check_error(tmp_path: Path) -> None:
+    backend = EtcdBackend("tls", {"OPTIONS": {"ca": str(tmp_path / "nope.crt")}})
+    [error] = backend.check()
+    assert isinstance(error, checks.Error)
+    assert "nope.crt" in error.msg
+
+
+def test_unreachable_cluster_is_unavailable(name: str) -> None:
+    backend = EtcdBackend(
+        "down",
+        {"LOCATION": [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"],
+         "OPTIONS": {"timeout": 0.5}},
+    )  # fmt: skip
+    try:
+        with pytest.raises(BackendUnavailable, match="down"):
+            backend.acquire(name, timeout=0)
+    finally:
+        backend.close()
+
+
+def test_failover_to_the_next_endpoint(etcd_servers: dict[str, Any], name: str) -> None:
+    """A dead endpoint first in LOCATION costs a refused connection, not the lock."""
+    live = etcd_servers["single"].endpoint
+    backend = EtcdBackend("fo", {"LOCATION": [f"127.0.0.1:{free_port()}", live]})
+    backend.state.transport.current = 0
+    try:
+        with backend.acquire(name, timeout=0) as held:
+            assert backend.list(name)[0].token == held.token
+    finally:
+        backend.close()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_test_ca(tmp_path_factory.mktemp("etcd-tls"))
+
+
+def test_tls_with_client_certificate(tls_files: dict[str, Path], name: str) -> None:
+    client, peer = free_port(), free_port()
+    server = EtcdServer(
+        "tls", client, peer, {"tls": peer},
+        "--cert-file", str(tls_files["cert"]),
+        "--key-file", str(tls_files["key"]),
+        "--trusted-ca-file", str(tls_files["ca"]),
+        "--client-cert-auth",
+        scheme="https",
+    ).start()  # fmt: skip
+    options = {
+        "ca": str(tls_files["ca"]),
+        "cert": str(tls_files["client_cert"]),
+        "key": str(tls_files["client_key"]),
+    }
+    try:
+        backend = EtcdBackend(
+            "tls", {"LOCATION": f"https://{server.endpoint}", "OPTIONS": options}
+        )
+        try:
+            with backend.acquire(name, timeout=5) as held:
+                assert backend.list(name)[0].token == held.token
+        finally:
+            backend.close()
+        # Without the client certificate the server refuses us.
+        no_cert = EtcdBackend(
+            "tls", {"LOCATION": f"https://{server.endpoint}",
+                    "OPTIONS": {"ca": options["ca"], "timeout": 1}}
+        )  # fmt: skip
+        try:
+            with pytest.raises(BackendUnavailable):
+                no_cert.acquire(name, timeout=0)
+        finally:
+            no_cert.close()
+    finally:
+        server.cleanup()
+
+
+def test_user_and_password(name: str) -> None:
+    client, peer = free_port(), free_port()
+    server = EtcdServer("auth", client, peer, {"auth": peer}).start()
+    try:
+        for args in (
+            ["user", "add", "root:rootpw"],
+            ["user", "add", "app:s3cret"],
+            ["role", "add", "locks"],
+            ["role", "grant-permission", "locks", "--prefix=true", "readwrite", "dlock/"],
+            ["user", "grant-role", "app", "locks"],
+            ["auth", "enable"],
+        ):
+            result = etcdctl(server.endpoint, *args)
+            assert result.returncode == 0, result.stderr
+        backend = EtcdBackend(
+            "auth", {"LOCATION": server.endpoint, "OPTIONS": {"user": "app", "password": "s3cret"}}
+        )
+        try:
+            with backend.acquire(name, timeout=5) as held:
+                held.extend()
+                assert [i.token for i in backend.list(name)] == [held.token]
+        finally:
+            backend.close()
+        wrong = EtcdBackend(
+            "auth", {"LOCATION": server.endpoint, "OPTIONS": {"user": "app", "password": "no"}}
+        )
+        try:
+            with pytest.raises(BackendUnavailable, match="auth"):
+                wrong.acquire(name, timeout=0)
+        finally:
+            wrong.close()
+    finally:
+        server.cleanup()
+
+
+# --- a cluster losing members -------------------------------------------------------
+
+
+def test_cluster_loses_a_follower_then_its_leader(name: str) -> None:
+    """Four workers take turns on one lock while a 3-member cluster loses members.
+
+    A follower is killed (and restarted), then the leader is killed. Every
+    critical section is recorded with its start, end and token by one
+    monotonic clock: no two may overlap, tokens must increase with start
+    times, and workers must keep getting the lock after the new election.
+    """
+    ports = [(free_port(), free_port()) for _ in range(3)]
+    members = start_etcd_cluster(ports, prefix="f")
+    location = [m.endpoint for m in members]
+    backends = [EtcdBackend(f"fo{i}", {"LOCATION": location}) for i in range(2)]
+    records: list[tuple[float, float, int, int]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    guard = threading.Lock()
+
+    def worker(i: int) -> None:
+        backend = backends[i % 2]
+        while not stop.is_set():
+            try:
+                with backend.acquire(name, ttl=2, timeout=30) as held:
+                    start = time.monotonic()
+                    time.sleep(0.01)
+                    end = time.monotonic()
+                with guard:
+                    records.append((start, end, held.token, i))
+            except BaseException as e:
+                errors.append(e)
+                return
+
+    def leader() -> EtcdServer:
+        for _ in range(100):
+            for m in members:
+                if m.process is not None and m.is_leader():
+                    return m
+            time.sleep(0.1)
+        raise RuntimeError("no leader")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        follower = next(m for m in members if m is not leader())
+        follower.kill()
+        phase_follower = time.monotonic()
+        time.sleep(1.5)
+        follower.start()
+        time.sleep(1.0)
+        old_leader = leader()
+        old_leader.kill()
+        phase_leader = time.monotonic()
+        time.sleep(3.0)
+        stop.set()
+        for t in threads:
+            t.join(60)
+    finally:
+        stop.set()
+        for b in backends:
+            b.close()
+        for m in members:
+            m.cleanup()
+    assert not errors, [str(e) for e in errors]
+    records.sort()
+    overlaps = [(a, b) for a, b in itertools.pairwise(records) if b[0] < a[1]]
+    assert not overlaps, overlaps[:3]
+    tokens = [r[2] for r in records]
+    assert all(a < b for a, b in itertools.pairwise(tokens)), "tokens out of order"
+    after_follower = [r for r in records if phase_follower < r[0] < phase_follower + 1.5]
+    after_leader = [r for r in records if r[0] > phase_leader]
+    assert after_follower, "no progress with a follower down"
+    assert {r[3] for r in after_leader} == {0, 1, 2, 3}, (
+        "a waiter did not proceed after the election"
+    )
+    print(
+        f"\n[etcd failover] {len(records)} critical sections, {len(after_follower)} with a "
+        f"follower down, {len(after_leader)} after the leader was killed; 0 overlaps"
+    )
+
+
+def test_settings_alias_uses_the_cluster(etcd_servers: dict[str, Any]) -> None:
+    backend = locks["etcd-cluster"]
+    assert isinstance(backend, EtcdBackend)
+    assert backend.endpoints == [m.endpoint for m in etcd_servers["cluster"]]
