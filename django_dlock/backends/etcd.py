@@ -27,12 +27,15 @@ and lease L in hex::
   third, ...). ``renew=False`` gets a lease of its own, revoked on release, so
   that it runs out after its TTL whatever the process's other locks do.
 - **Acquire** is one transaction: put ``Pdlock/N/L`` if its create revision is
-  0, and in the same transaction read the key with the lowest create revision
-  under ``Pdlock/N/`` and the one just below ours. Ours lowest: we hold the
-  lock, and the **fencing token** is our key's create revision.
+  0, and in the same transaction read the two newest keys under ``Pdlock/N/``
+  by create revision. Inside the transaction ours is the newest, so the other
+  is the key just ahead of ours; if there is none, ours has the lowest create
+  revision: we hold the lock, and the **fencing token** is our key's create
+  revision.
 - **Waiting** watches the key just below ours for its delete (from the
   revision at which we saw it, so a delete in between is not missed), then
-  re-checks in one transaction: that key may have been a waiter that gave up.
+  re-checks in one transaction (is our key still there, and is any key older
+  than it left?): the key ahead may have been a waiter that gave up.
   Waiters are therefore served strictly in arrival order.
 - **Release** deletes our key if its create revision is still our token.
   A waiter that times out deletes its key; one that dies leaves it to expire
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import math
 import os
 import queue
@@ -235,6 +239,13 @@ class _Transport:
         index = self.current
         return index, self.endpoints[index].stubs()
 
+    def _auth_expired(self, error: grpc.RpcError) -> bool:
+        """etcd dropped our auth token (it expires when unused, or the leader changed)."""
+        return self.user is not None and (
+            error.code() == grpc.StatusCode.UNAUTHENTICATED
+            or "auth token" in (error.details() or "")
+        )
+
     def _attempt(self, remaining: float) -> float:
         return max(min(remaining, self.timeout * ATTEMPT_SHARE), 0.001)
 
@@ -257,6 +268,22 @@ class _Transport:
         A request that failed may still have been applied; if it is sent again,
         ``ambiguous`` (when given) gets True appended.
         """
+        if self.metadata is not None or self.user is None:
+            # The common case, without the bookkeeping of the loop below.
+            index, stubs = self.stubs()
+            try:
+                return getattr(stubs[kind], method)(
+                    request, timeout=self.timeout * ATTEMPT_SHARE, metadata=self.metadata
+                )
+            except grpc.RpcError as e:
+                if self._auth_expired(e):
+                    self.metadata = None  # authenticate again below
+                elif e.code() not in RETRY_CODES:
+                    raise
+                else:
+                    self._failed(index)
+                    if ambiguous is not None:
+                        ambiguous.append(True)
         deadline = time.monotonic() + self.timeout
         tried = 0
         authenticated = False
@@ -272,14 +299,7 @@ class _Transport:
                 )
             except grpc.RpcError as e:
                 code = e.code()
-                if (
-                    self.user is not None
-                    and not authenticated
-                    and (
-                        code == grpc.StatusCode.UNAUTHENTICATED
-                        or "auth token" in (e.details() or "")
-                    )
-                ):
+                if not authenticated and self._auth_expired(e):
                     self.metadata = None
                     authenticated = True
                     continue
@@ -530,6 +550,8 @@ class EtcdBackend(BaseLockBackend):
         self._state: _State | None = None
         self._state_mutex = threading.Lock()
         self._local = threading.local()
+        # Building the keys and the range op shows in the uncontended cycle.
+        self._names = functools.lru_cache(maxsize=4096)(self._make_names)
         _backends.add(self)
 
     def _config_error(self, message: str) -> LockConfigurationError:
@@ -765,6 +787,11 @@ class EtcdBackend(BaseLockBackend):
     def _base(self, name: str) -> bytes:
         return self.root + _escape(name) + b"/"
 
+    def _make_names(self, name: str) -> tuple[bytes, Any]:
+        """``Pdlock/N/`` and the range op that reads its two newest keys."""
+        base = self._base(name)
+        return base, _get(base, _range_end(base), limit=2, keys_only=True, **_CREATE_DESC)
+
     def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | Grant | None:
         state = self.state
         started = time.monotonic()
@@ -773,21 +800,22 @@ class EtcdBackend(BaseLockBackend):
         entry = state.entries.get(owner)
         if entry is not None:
             return self._recheck(name, owner, entry, ttl)
-        base = self._base(name)
+        base, newest_two = self._names(name)
         lease = self._take_slot(name, base, ttl, getattr(self._local, "renew", True))
         key = base + f"{lease.id:x}".encode()
         entry = _Entry(base, key, lease, lease)
         with state.mutex:
             state.entries[owner] = entry
-        end = _range_end(base)
         request = _txn(
             [_created_at(key, 0)],
             [
                 rpc.RequestOp(
                     request_put=rpc.PutRequest(key=key, value=holder.encode(), lease=lease.id)
                 ),
-                _get(base, end, limit=1, keys_only=True, **_CREATE_ASC),
-                _get(base, end, limit=2, keys_only=True, **_CREATE_DESC),
+                # Within this transaction ours is the newest key under base:
+                # the one before it is the key to watch, and if there is
+                # none, ours is the lowest and we hold the lock.
+                newest_two,
             ],
             [_get(key)],
         )
@@ -826,11 +854,10 @@ class EtcdBackend(BaseLockBackend):
             self._forget(owner)
             raise
         entry.revision = reply.header.revision
-        lowest = reply.responses[1].response_range.kvs
-        if lowest and lowest[0].key == key:
+        ahead = [kv for kv in reply.responses[1].response_range.kvs if kv.key != key]
+        if not ahead:
             return self._granted(name, entry, ttl, started)
-        below = [kv for kv in reply.responses[2].response_range.kvs if kv.key != key]
-        entry.ahead = (below[0].key, reply.header.revision) if below else None
+        entry.ahead = (ahead[0].key, reply.header.revision)
         return None
 
     def _recheck(self, name: str, owner: str, entry: _Entry, ttl: float) -> int | Grant | None:
@@ -841,7 +868,7 @@ class EtcdBackend(BaseLockBackend):
             _txn(
                 [_created_at(entry.key, entry.revision)],
                 [
-                    _get(entry.base, end, limit=1, keys_only=True, **_CREATE_ASC),
+                    # The newest key older than ours; none: ours is the lowest.
                     _get(
                         entry.base,
                         end,
@@ -858,11 +885,10 @@ class EtcdBackend(BaseLockBackend):
             # entry): queue again at the back.
             self._forget(owner)
             return None
-        lowest = reply.responses[0].response_range.kvs
-        if lowest and lowest[0].key == entry.key:
+        ahead = reply.responses[0].response_range.kvs
+        if not ahead:
             return self._granted(name, entry, ttl, None)
-        ahead = reply.responses[1].response_range.kvs
-        entry.ahead = (ahead[0].key, reply.header.revision) if ahead else None
+        entry.ahead = (ahead[0].key, reply.header.revision)
         return None
 
     def _granted(self, name: str, entry: _Entry, ttl: float, started: float | None) -> int | Grant:
