@@ -60,10 +60,10 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import unquote
 
 from django.core import checks
@@ -95,6 +95,8 @@ ATTEMPT_SHARE = 0.25
 _CREATE_ASC = {"sort_order": rpc.RangeRequest.ASCEND, "sort_target": rpc.RangeRequest.CREATE}
 _CREATE_DESC = {"sort_order": rpc.RangeRequest.DESCEND, "sort_target": rpc.RangeRequest.CREATE}
 _DELETE = kv_pb2.Event.DELETE
+
+T = TypeVar("T")
 
 
 def _escape(name: str) -> bytes:
@@ -166,6 +168,16 @@ class _Entry:
     ahead: tuple[bytes, int] | None = None
 
 
+class _NoReply(grpc.RpcError):  # type: ignore[misc]
+    """A stream that ended without an answer: retried like an unreachable member."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return str(self)
+
+
 class _LeaseNotFound(Exception):
     """A put named a lease that etcd no longer has."""
 
@@ -179,16 +191,23 @@ class _Wake:
         self.cancelled = False
 
 
+class _Stubs(NamedTuple):
+    kv: Any
+    lease: Any
+    watch: Any
+    auth: Any
+
+
 class _Endpoint:
     def __init__(self, target: str, credentials: Any) -> None:
         self.target = target
         self.credentials = credentials
-        self._stubs: tuple[Any, Any, Any, Any] | None = None
+        self._stubs: _Stubs | None = None
         self._channel: Any = None
         self._mutex = threading.Lock()
 
-    def stubs(self) -> tuple[Any, Any, Any, Any]:
-        """(KV, Lease, Watch, Auth) stubs on this endpoint's channel, made on first use."""
+    def stubs(self) -> _Stubs:
+        """The stubs on this endpoint's channel, made on first use."""
         stubs = self._stubs
         if stubs is None:
             with self._mutex:
@@ -201,7 +220,7 @@ class _Endpoint:
                             self.target, self.credentials, options=options
                         )
                     self._channel = channel
-                    self._stubs = (
+                    self._stubs = _Stubs(
                         rpc.KVStub(channel),
                         rpc.LeaseStub(channel),
                         rpc.WatchStub(channel),
@@ -235,9 +254,8 @@ class _Transport:
         self.metadata: tuple[tuple[str, str], ...] | None = None
         self._auth_mutex = threading.Lock()
 
-    def stubs(self) -> tuple[int, tuple[Any, Any, Any, Any]]:
-        index = self.current
-        return index, self.endpoints[index].stubs()
+    def stubs(self) -> _Stubs:
+        return self.endpoints[self.current].stubs()
 
     def _auth_expired(self, error: grpc.RpcError) -> bool:
         """etcd dropped our auth token (it expires when unused, or the leader changed)."""
@@ -246,13 +264,6 @@ class _Transport:
             or "auth token" in (error.details() or "")
         )
 
-    def _attempt(self, remaining: float) -> float:
-        return max(min(remaining, self.timeout * ATTEMPT_SHARE), 0.001)
-
-    def _failed(self, index: int) -> None:
-        if self.current == index:
-            self.current = (index + 1) % len(self.endpoints)
-
     def _authenticate(self, auth_stub: Any, timeout: float) -> None:
         with self._auth_mutex:
             reply = auth_stub.Authenticate(
@@ -260,52 +271,33 @@ class _Transport:
             )
             self.metadata = (("token", reply.token),)
 
-    def call(
-        self, kind: int, method: str, request: Any, *, ambiguous: list[bool] | None = None
-    ) -> Any:
-        """Call ``method`` on stub ``kind`` (0 KV, 1 Lease, 3 Auth), failing over on errors.
+    def _retrying(self, send: Callable[[_Stubs, float], T], ambiguous: list[bool] | None) -> T:
+        """``send(stubs, timeout)`` on the current endpoint, failing over on errors.
 
-        A request that failed may still have been applied; if it is sent again,
-        ``ambiguous`` (when given) gets True appended.
+        Each try gets ATTEMPT_SHARE of ``timeout``; the whole call, ``timeout``.
+        A try that failed may still have been applied; if the request is sent
+        again, ``ambiguous`` (when given) gets True appended.
         """
-        if self.metadata is not None or self.user is None:
-            # The common case, without the bookkeeping of the loop below.
-            index, stubs = self.stubs()
-            try:
-                return getattr(stubs[kind], method)(
-                    request, timeout=self.timeout * ATTEMPT_SHARE, metadata=self.metadata
-                )
-            except grpc.RpcError as e:
-                if self._auth_expired(e):
-                    self.metadata = None  # authenticate again below
-                elif e.code() not in RETRY_CODES:
-                    raise
-                else:
-                    self._failed(index)
-                    if ambiguous is not None:
-                        ambiguous.append(True)
         deadline = time.monotonic() + self.timeout
         tried = 0
-        authenticated = False
+        reauthenticated = False
         while True:
-            index, stubs = self.stubs()
-            remaining = deadline - time.monotonic()
+            index = self.current
+            stubs = self.endpoints[index].stubs()
+            timeout = max(min(deadline - time.monotonic(), self.timeout * ATTEMPT_SHARE), 0.001)
             try:
                 if self.user is not None and self.metadata is None:
-                    self._authenticate(stubs[3], max(remaining, 0.001))
-                    authenticated = True
-                return getattr(stubs[kind], method)(
-                    request, timeout=self._attempt(remaining), metadata=self.metadata
-                )
+                    self._authenticate(stubs.auth, timeout)
+                return send(stubs, timeout)
             except grpc.RpcError as e:
-                code = e.code()
-                if not authenticated and self._auth_expired(e):
+                if not reauthenticated and self._auth_expired(e):
                     self.metadata = None
-                    authenticated = True
+                    reauthenticated = True
                     continue
-                if code not in RETRY_CODES:
+                if e.code() not in RETRY_CODES:
                     raise
-                self._failed(index)
+                if self.current == index:
+                    self.current = (index + 1) % len(self.endpoints)
                 tried += 1
                 if ambiguous is not None:
                     ambiguous.append(True)
@@ -315,31 +307,32 @@ class _Transport:
                 if pause:
                     time.sleep(pause)
 
+    def call(
+        self, stub: str, method: str, request: Any, *, ambiguous: list[bool] | None = None
+    ) -> Any:
+        """``request`` to ``method`` of stub ``stub`` (kv, lease or auth), with failover."""
+        return self._retrying(
+            lambda stubs, timeout: getattr(getattr(stubs, stub), method)(
+                request, timeout=timeout, metadata=self.metadata
+            ),
+            ambiguous,
+        )
+
     def keepalive(self, lease_id: int) -> int:
         """Refresh a lease; its new TTL, or 0 if it no longer exists."""
-        deadline = time.monotonic() + self.timeout
-        tried = 0
-        while True:
-            index, stubs = self.stubs()
-            try:
-                replies = stubs[1].LeaseKeepAlive(
-                    iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
-                    timeout=self._attempt(deadline - time.monotonic()),
-                    metadata=self.metadata,
-                )
-                for reply in replies:
-                    return int(reply.TTL)
-                return 0
-            except grpc.RpcError as e:
-                if e.code() not in RETRY_CODES:
-                    raise
-                self._failed(index)
-                tried += 1
-                pause = RETRY_PAUSE if tried % len(self.endpoints) == 0 else 0.0
-                if time.monotonic() + pause >= deadline:
-                    raise
-                if pause:
-                    time.sleep(pause)
+
+        def send(stubs: _Stubs, timeout: float) -> int:
+            replies = stubs.lease.LeaseKeepAlive(
+                iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
+                timeout=timeout,
+                metadata=self.metadata,
+            )
+            for reply in replies:
+                return int(reply.TTL)
+            # No answer is not "no lease" (that is TTL 0): try again.
+            raise _NoReply("the keep-alive stream ended without an answer")
+
+        return self._retrying(send, None)
 
     def close(self) -> None:
         for endpoint in self.endpoints:
@@ -423,8 +416,7 @@ class _Watches:
                     return
                 yield request
 
-        _, stubs = self._transport.stubs()
-        call = stubs[2].Watch(requests(), metadata=self._transport.metadata)
+        call = self._transport.stubs().watch.Watch(requests(), metadata=self._transport.metadata)
         self._outbox = outbox
         self._call = call
         thread = threading.Thread(
@@ -651,13 +643,14 @@ class EtcdBackend(BaseLockBackend):
         # Do not hang an exiting process on an unreachable cluster.
         state.transport.timeout = min(state.transport.timeout, 1.0)
         with state.mutex:
-            leases = {id(s): s for ss in state.sessions.values() for s in ss}
-            leases.update({id(e.lease): e.lease for e in state.entries.values()})
+            # _Lease compares by identity: a set holds each lease once.
+            leases = {lease for ss in state.sessions.values() for lease in ss}
+            leases.update(entry.lease for entry in state.entries.values())
             state.sessions.clear()
             state.entries.clear()
-        for lease in leases.values():
+        for lease in leases:
             with contextlib.suppress(grpc.RpcError):  # it runs out by itself
-                state.transport.call(1, "LeaseRevoke", rpc.LeaseRevokeRequest(ID=lease.id))
+                state.transport.call("lease", "LeaseRevoke", rpc.LeaseRevokeRequest(ID=lease.id))
         state.transport.close()
 
     def _unavailable(self, name: str, error: grpc.RpcError) -> BackendUnavailable:
@@ -669,22 +662,22 @@ class EtcdBackend(BaseLockBackend):
             backend=self.alias,
         )
 
-    def _call(self, name: str, kind: int, method: str, request: Any, **kwargs: Any) -> Any:
+    def _call(self, name: str, stub: str, method: str, request: Any, **kwargs: Any) -> Any:
         try:
-            return self.state.transport.call(kind, method, request, **kwargs)
+            return self.state.transport.call(stub, method, request, **kwargs)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND and "lease not found" in (e.details() or ""):
                 raise _LeaseNotFound(e.details()) from e
             raise self._unavailable(name, e) from e
 
     def _txn(self, name: str, request: Any, **kwargs: Any) -> Any:
-        return self._call(name, 0, "Txn", request, **kwargs)
+        return self._call(name, "kv", "Txn", request, **kwargs)
 
     # --- leases -----------------------------------------------------------------------
 
     def _grant(self, name: str, seconds: int, private: bool) -> _Lease:
         sent = time.monotonic()
-        reply = self._call(name, 1, "LeaseGrant", rpc.LeaseGrantRequest(TTL=seconds))
+        reply = self._call(name, "lease", "LeaseGrant", rpc.LeaseGrantRequest(TTL=seconds))
         if reply.error:
             raise BackendUnavailable(
                 f"etcd refused a lease for lock {name!r} on backend {self.alias!r}: {reply.error}",
@@ -710,7 +703,7 @@ class EtcdBackend(BaseLockBackend):
     def _revoke_quietly(self, lease: _Lease) -> None:
         # Not found (it ran out) or unreachable: it runs out by itself.
         with contextlib.suppress(grpc.RpcError):
-            self.state.transport.call(1, "LeaseRevoke", rpc.LeaseRevokeRequest(ID=lease.id))
+            self.state.transport.call("lease", "LeaseRevoke", rpc.LeaseRevokeRequest(ID=lease.id))
 
     def _take_slot(self, name: str, base: bytes, ttl: float, renew: bool) -> _Lease:
         """A lease under which ``base`` has no key of ours yet, fresh enough for ``ttl``."""
@@ -958,7 +951,7 @@ class EtcdBackend(BaseLockBackend):
         for key, revision in list(orphans.items()):
             try:
                 self.state.transport.call(
-                    0, "Txn", _txn([_created_at(key, revision)], [_delete(key)])
+                    "kv", "Txn", _txn([_created_at(key, revision)], [_delete(key)])
                 )
             except grpc.RpcError:
                 return  # still unreachable; the next renewal tries again
@@ -1004,7 +997,7 @@ class EtcdBackend(BaseLockBackend):
         return True
 
     def _check(self, name: str, owner: str, entry: _Entry) -> bool:
-        reply = self._call(name, 0, "Range", rpc.RangeRequest(key=entry.key, keys_only=True))
+        reply = self._call(name, "kv", "Range", rpc.RangeRequest(key=entry.key, keys_only=True))
         if reply.kvs and reply.kvs[0].create_revision == entry.revision:
             return True
         self._forget(owner)
@@ -1019,7 +1012,10 @@ class EtcdBackend(BaseLockBackend):
         end = _range_end(base)
         while True:
             reply = self._call(
-                name, 0, "Range", rpc.RangeRequest(key=base, range_end=end, limit=1, **_CREATE_ASC)
+                name,
+                "kv",
+                "Range",
+                rpc.RangeRequest(key=base, range_end=end, limit=1, keys_only=True, **_CREATE_ASC),
             )
             if not reply.kvs:
                 return False
@@ -1035,7 +1031,7 @@ class EtcdBackend(BaseLockBackend):
         start = self.root + _escape(prefix)
         reply = self._call(
             prefix or "*",
-            0,
+            "kv",
             "Range",
             rpc.RangeRequest(key=start, range_end=_range_end(start), **_CREATE_ASC),
         )
@@ -1051,7 +1047,10 @@ class EtcdBackend(BaseLockBackend):
         for base, kv in holders.items():
             if kv.lease and kv.lease not in ttls:
                 info = self._call(
-                    prefix or "*", 1, "LeaseTimeToLive", rpc.LeaseTimeToLiveRequest(ID=kv.lease)
+                    prefix or "*",
+                    "lease",
+                    "LeaseTimeToLive",
+                    rpc.LeaseTimeToLiveRequest(ID=kv.lease),
                 )
                 ttls[kv.lease] = int(info.TTL)
             remaining = float(ttls[kv.lease]) if kv.lease else math.inf
