@@ -663,8 +663,13 @@ class EtcdBackend(BaseLockBackend):
         )
 
     def _call(self, name: str, stub: str, method: str, request: Any, **kwargs: Any) -> Any:
+        state = self.state
         try:
-            return self.state.transport.call(stub, method, request, **kwargs)
+            reply = state.transport.call(stub, method, request, **kwargs)
+            if state.orphans:
+                # etcd answers again: finish the releases that could not reach it.
+                self._sweep_orphans()
+            return reply
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND and "lease not found" in (e.details() or ""):
                 raise _LeaseNotFound(e.details()) from e
@@ -788,8 +793,6 @@ class EtcdBackend(BaseLockBackend):
     def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | Grant | None:
         state = self.state
         started = time.monotonic()
-        if state.orphans:
-            self._sweep_orphans()
         entry = state.entries.get(owner)
         if entry is not None:
             return self._recheck(name, owner, entry, ttl)
@@ -946,7 +949,7 @@ class EtcdBackend(BaseLockBackend):
                 self._revoke_quietly(entry.lease)
 
     def _sweep_orphans(self) -> None:
-        """Delete keys that an earlier release could not; quietly, at most once each call."""
+        """Delete keys that an earlier release could not; quietly, stopping at an error."""
         orphans = self.state.orphans
         for key, revision in list(orphans.items()):
             try:
@@ -954,12 +957,10 @@ class EtcdBackend(BaseLockBackend):
                     "kv", "Txn", _txn([_created_at(key, revision)], [_delete(key)])
                 )
             except grpc.RpcError:
-                return  # still unreachable; the next renewal tries again
+                return  # unreachable again; the next call that gets through tries again
             orphans.pop(key, None)
 
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
-        if self.state.orphans:
-            self._sweep_orphans()
         entry = self.state.entries.get(owner)
         if entry is None:
             return False
