@@ -432,11 +432,13 @@ def test_waiting_does_not_spin(
     attempts = 0
     original = type(backend).do_acquire
 
-    def counting(self: BaseLockBackend, n: str, owner: str, ttl: float, holder: str) -> Any:
+    def counting(
+        self: BaseLockBackend, n: str, owner: str, ttl: float, holder: str, **kwargs: Any
+    ) -> Any:
         nonlocal attempts
         if n == name:
             attempts += 1
-        return original(self, n, owner, ttl, holder)
+        return original(self, n, owner, ttl, holder, **kwargs)
 
     with lock(name, backend=backend_alias):
         monkeypatch.setattr(type(backend), "do_acquire", counting)

@@ -7,13 +7,16 @@ blocking loop, holder metadata, signals and the watchdog (through
 single-attempt primitives, as redis-py's ``Lock.acquire`` delegates to
 ``do_acquire``:
 
-``do_acquire(name, owner, ttl, holder)``
+``do_acquire(name, owner, ttl, holder, renew=True)``
     One atomic attempt. If the lock is free or its lease has expired by the
     service's clock, grant it to ``owner`` for ``ttl`` seconds, advance the
     per-name fencing counter and store ``holder`` (JSON text); return the new
     fencing token. Otherwise return None. A backend that learns of a lease
     granted some other way (handed over by the previous holder, or found on a
-    retry) returns a :class:`Grant` saying when that lease ends.
+    retry) returns a :class:`Grant` saying when that lease ends. ``renew``
+    says whether the watchdog will renew the lease; a backend whose leases
+    are shared between locks (etcd) gives one that will not be renewed a
+    lease of its own, so that it still ends after ``ttl``.
 ``do_release(name, owner)`` / ``do_extend(name, owner, ttl)`` / ``do_check(name, owner)``
     Compare the owner on the server, atomically with the change; return
     whether ``owner`` held a live lease.
@@ -155,7 +158,9 @@ class BaseLockBackend:
 
     # --- primitives -----------------------------------------------------------------
 
-    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | Grant | None:
+    def do_acquire(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
+    ) -> int | Grant | None:
         raise NotImplementedError
 
     def do_release(self, name: str, owner: str) -> bool:
@@ -231,7 +236,7 @@ class BaseLockBackend:
         try:
             while True:
                 sent = time.monotonic()
-                result = self.do_acquire(name, owner, ttl, holder_text)
+                result = self.do_acquire(name, owner, ttl, holder_text, renew=renew)
                 if result is not None:
                     break
                 refused = True

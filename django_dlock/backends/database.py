@@ -366,7 +366,9 @@ class DatabaseBackend(BaseLockBackend):
 
     # --- primitives -----------------------------------------------------------------
 
-    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | None:
+    def do_acquire(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
+    ) -> int | None:
         digest, ttl_us = self._key(name), _micros(ttl)
 
         def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> int | None:

@@ -541,7 +541,6 @@ class EtcdBackend(BaseLockBackend):
         self.root = f"{self.key_prefix}dlock/".encode()
         self._state: _State | None = None
         self._state_mutex = threading.Lock()
-        self._local = threading.local()
         # Building the keys and the range op shows in the uncontended cycle.
         self._names = functools.lru_cache(maxsize=4096)(self._make_names)
         _backends.add(self)
@@ -769,19 +768,6 @@ class EtcdBackend(BaseLockBackend):
 
     # --- primitives -------------------------------------------------------------------
 
-    def _acquire(
-        self,
-        name: str,
-        ttl: float | None,
-        timeout: float | None,
-        metadata: Mapping[str, Any] | None,
-        renew: bool,
-    ) -> Any:
-        # do_acquire's signature is the same for every backend; whether the
-        # lease will be renewed decides which etcd lease the key goes under.
-        self._local.renew = renew
-        return super()._acquire(name, ttl, timeout, metadata, renew)
-
     def _base(self, name: str) -> bytes:
         return self.root + _escape(name) + b"/"
 
@@ -790,14 +776,16 @@ class EtcdBackend(BaseLockBackend):
         base = self._base(name)
         return base, _get(base, _range_end(base), limit=2, keys_only=True, **_CREATE_DESC)
 
-    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | Grant | None:
+    def do_acquire(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
+    ) -> int | Grant | None:
         state = self.state
         started = time.monotonic()
         entry = state.entries.get(owner)
         if entry is not None:
             return self._recheck(name, owner, entry, ttl)
         base, newest_two = self._names(name)
-        lease = self._take_slot(name, base, ttl, getattr(self._local, "renew", True))
+        lease = self._take_slot(name, base, ttl, renew)
         key = base + f"{lease.id:x}".encode()
         entry = _Entry(base, key, lease, lease)
         with state.mutex:
@@ -845,7 +833,7 @@ class EtcdBackend(BaseLockBackend):
                 for sessions in state.sessions.values():
                     if lease in sessions:
                         sessions.remove(lease)
-            return self.do_acquire(name, owner, ttl, holder)
+            return self.do_acquire(name, owner, ttl, holder, renew)
         except BaseException:
             self._forget(owner)
             raise

@@ -66,7 +66,9 @@ class LocMemBackend(BaseLockBackend):
             return None
         return lease
 
-    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | None:
+    def do_acquire(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
+    ) -> int | None:
         key = self._key(name)
         store = self._store
         with store.cond:

@@ -746,7 +746,9 @@ class RedisBackend(BaseLockBackend):
             waiter.queued_at = queued_at
         return None
 
-    def do_acquire(self, name: str, owner: str, ttl: float, holder: str) -> int | Grant | None:
+    def do_acquire(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
+    ) -> int | Grant | None:
         waiter = self._waiter(owner)
         if waiter is not None and waiter.handed is not None:
             return waiter.handed  # wait() saw the previous holder hand the lock over
