@@ -69,7 +69,7 @@ from urllib.parse import unquote
 from django.core import checks
 
 from .._validation import load_holder
-from ..exceptions import BackendUnavailable, LockConfigurationError
+from ..exceptions import BackendUnavailable
 from .base import BaseLockBackend, Grant, LockInfo
 
 try:
@@ -524,10 +524,7 @@ class EtcdBackend(BaseLockBackend):
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         super().__init__(alias, params)
         options = self.options
-        timeout = options.get("timeout", 5.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise self._config_error("OPTIONS['timeout'] must be a positive number of seconds.")
-        self.timeout = float(timeout)
+        self.timeout = self._number_option("timeout", 5.0)
         for key in ("ca", "cert", "key", "user", "password"):
             if options.get(key) is not None and not isinstance(options[key], (str, os.PathLike)):
                 raise self._config_error(f"OPTIONS[{key!r}] must be a str.")
@@ -544,9 +541,6 @@ class EtcdBackend(BaseLockBackend):
         # Building the keys and the range op shows in the uncontended cycle.
         self._names = functools.lru_cache(maxsize=4096)(self._make_names)
         _backends.add(self)
-
-    def _config_error(self, message: str) -> LockConfigurationError:
-        return LockConfigurationError(f"Lock backend {self.alias!r}: {message}", alias=self.alias)
 
     def _parse_location(self) -> tuple[list[str], bool]:
         location = self.location if self.location is not None else "127.0.0.1:2379"

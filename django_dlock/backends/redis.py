@@ -518,24 +518,6 @@ class RedisBackend(BaseLockBackend):
 
     # --- configuration ----------------------------------------------------------------
 
-    def _bool_option(self, key: str) -> bool:
-        value = self.options.get(key, False)
-        if not isinstance(value, bool):
-            raise LockConfigurationError(
-                f"Lock backend {self.alias!r}: OPTIONS[{key!r}] must be True or False.",
-                alias=self.alias,
-            )
-        return value
-
-    def _number_option(self, key: str, default: float) -> float:
-        value = self.options.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise LockConfigurationError(
-                f"Lock backend {self.alias!r}: OPTIONS[{key!r}] must be a positive number.",
-                alias=self.alias,
-            )
-        return float(value)
-
     def _locations(self) -> list[str]:
         location = self.location
         if self.connection_spec is not None:
