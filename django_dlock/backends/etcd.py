@@ -212,7 +212,14 @@ class _Endpoint:
         if stubs is None:
             with self._mutex:
                 if self._stubs is None:
-                    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+                    options = [
+                        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                        # After a member restarts, reconnect within a second
+                        # rather than gRPC's default backoff of up to 120 s.
+                        ("grpc.initial_reconnect_backoff_ms", 100),
+                        ("grpc.min_reconnect_backoff_ms", 100),
+                        ("grpc.max_reconnect_backoff_ms", 1000),
+                    ]
                     if self.credentials is None:
                         channel = grpc.insecure_channel(self.target, options=options)
                     else:
@@ -271,12 +278,16 @@ class _Transport:
             )
             self.metadata = (("token", reply.token),)
 
-    def _retrying(self, send: Callable[[_Stubs, float], T], ambiguous: list[bool] | None) -> T:
-        """``send(stubs, timeout)`` on the current endpoint, failing over on errors.
+    def _retrying(
+        self, send: Callable[[_Stubs, float, bool], T], ambiguous: list[bool] | None
+    ) -> T:
+        """``send(stubs, timeout, wait_for_ready)`` on the current endpoint, failing over.
 
         Each try gets ATTEMPT_SHARE of ``timeout``; the whole call, ``timeout``.
-        A try that failed may still have been applied; if the request is sent
-        again, ``ambiguous`` (when given) gets True appended.
+        Once every endpoint has failed, tries wait for a connection instead of
+        failing at once (a member coming back). A try that failed may still
+        have been applied; if the request is sent again, ``ambiguous`` (when
+        given) gets True appended.
         """
         deadline = time.monotonic() + self.timeout
         tried = 0
@@ -288,7 +299,7 @@ class _Transport:
             try:
                 if self.user is not None and self.metadata is None:
                     self._authenticate(stubs.auth, timeout)
-                return send(stubs, timeout)
+                return send(stubs, timeout, tried >= len(self.endpoints))
             except grpc.RpcError as e:
                 if not reauthenticated and self._auth_expired(e):
                     self.metadata = None
@@ -312,8 +323,8 @@ class _Transport:
     ) -> Any:
         """``request`` to ``method`` of stub ``stub`` (kv, lease or auth), with failover."""
         return self._retrying(
-            lambda stubs, timeout: getattr(getattr(stubs, stub), method)(
-                request, timeout=timeout, metadata=self.metadata
+            lambda stubs, timeout, wait: getattr(getattr(stubs, stub), method)(
+                request, timeout=timeout, metadata=self.metadata, wait_for_ready=wait
             ),
             ambiguous,
         )
@@ -321,11 +332,12 @@ class _Transport:
     def keepalive(self, lease_id: int) -> int:
         """Refresh a lease; its new TTL, or 0 if it no longer exists."""
 
-        def send(stubs: _Stubs, timeout: float) -> int:
+        def send(stubs: _Stubs, timeout: float, wait: bool) -> int:
             replies = stubs.lease.LeaseKeepAlive(
                 iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
                 timeout=timeout,
                 metadata=self.metadata,
+                wait_for_ready=wait,
             )
             for reply in replies:
                 return int(reply.TTL)
