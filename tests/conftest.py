@@ -4,6 +4,7 @@ import os
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +12,13 @@ from django.conf import settings
 
 from django_dlock import locks
 from django_dlock.backends.base import BaseLockBackend
-from tests.servers import EtcdServer, RedisServer, start_cluster, start_etcd_cluster
+from tests.servers import (
+    EtcdServer,
+    RedisServer,
+    make_test_ca,
+    start_cluster,
+    start_etcd_cluster,
+)
 
 
 def backend_params(aliases: list[str] | None = None) -> list[object]:
@@ -68,6 +75,12 @@ def etcd_servers() -> Iterator[dict[str, Any]]:
     yield {"single": single, "cluster": cluster}
     for server in [single, *cluster]:
         server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A test CA with server and client certificates for 127.0.0.1."""
+    return make_test_ca(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(autouse=True)

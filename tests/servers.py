@@ -65,7 +65,24 @@ def redis_cli(port: int, *args: str) -> str:
     ).stdout
 
 
-class RedisServer:
+class _ServerProcess:
+    """A server process the tests own, with its temp dir."""
+
+    dir: Path
+    process: subprocess.Popen[bytes] | None
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=20)
+            self.process = None
+
+    def cleanup(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RedisServer(_ServerProcess):
     """One redis-server that keeps nothing on disk unless told to."""
 
     def __init__(self, port: int, *extra: str) -> None:
@@ -111,19 +128,9 @@ class RedisServer:
             self.process.wait(timeout=20)
             self.process = None
 
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(timeout=20)
-            self.process = None
-
     def restart(self) -> None:
         self.stop()
         self.start()
-
-    def cleanup(self) -> None:
-        self.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def start_cluster(ports: list[int]) -> list[RedisServer]:
@@ -156,17 +163,30 @@ def start_cluster(ports: list[int]) -> list[RedisServer]:
     return servers
 
 
+_ETCDCTL_ENV = {**os.environ, "ETCDCTL_API": "3"}
+
+
 def etcdctl(endpoint: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["etcdctl", f"--endpoints={endpoint}", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin:/usr/local/bin"},
+        env=_ETCDCTL_ENV,
     )
 
 
-class EtcdServer:
+def etcdctl_popen(endpoint: str, *args: str) -> subprocess.Popen[str]:
+    """``etcdctl`` left running (``etcdctl lock`` holds until it is signalled)."""
+    return subprocess.Popen(
+        ["etcdctl", f"--endpoints={endpoint}", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_ETCDCTL_ENV,
+    )
+
+
+class EtcdServer(_ServerProcess):
     """One etcd member (from Debian's etcd-server) with fast elections.
 
     ``--heartbeat-interval 10 --election-timeout 100`` lets a 3-node cluster
@@ -228,7 +248,7 @@ class EtcdServer:
 
     def wait_healthy(self) -> None:
         if self.scheme != "http":
-            wait_for(lambda: _port_open(self.client_port), 30, f"etcd {self.name}")
+            wait_for(lambda: port_open("127.0.0.1", self.client_port), 30, f"etcd {self.name}")
             return
         try:
             wait_for(
@@ -249,20 +269,10 @@ class EtcdServer:
         header = status["Status"]["header"]
         return bool(header["member_id"] == status["Status"]["leader"])
 
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(timeout=20)
-            self.process = None
 
-    def cleanup(self) -> None:
-        self.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _port_open(port: int) -> bool:
+def port_open(host: str, port: int) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
+        with socket.create_connection((host, port), timeout=1):
             return True
     except OSError:
         return False

@@ -8,14 +8,13 @@ DLOCK_REQUIRE_ALL_BACKENDS=1 (as in CI), which makes that an error.
 
 import os
 import shutil
-import socket
 import tempfile
 from typing import Any
 
 from testproject.settings import *  # noqa: F403
 from testproject.settings import INSTALLED_APPS
 
-from tests.servers import free_port
+from tests.servers import free_port, port_open
 
 INSTALLED_APPS = [*INSTALLED_APPS, "tests"]
 
@@ -23,14 +22,6 @@ REQUIRE_ALL = os.environ.get("DLOCK_REQUIRE_ALL_BACKENDS") == "1"
 _TMP = os.environ.setdefault(
     "DLOCK_TEST_TMP", tempfile.mkdtemp(prefix=f"dlock-tests-{os.getpid()}-")
 )
-
-
-def _reachable(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 PG = {
@@ -84,12 +75,12 @@ def _unreachable(label: str, server: dict[str, Any], env: str) -> str:
     )
 
 
-if _reachable(PG["host"], PG["port"]):
+if port_open(PG["host"], PG["port"]):
     DATABASES["postgresql"] = _server_database("django.db.backends.postgresql", PG)
 else:
     UNAVAILABLE_BACKENDS["db-postgresql"] = _unreachable("PostgreSQL", PG, "PG")
 
-if _reachable(MYSQL["host"], MYSQL["port"]):
+if port_open(MYSQL["host"], MYSQL["port"]):
     DATABASES["mysql"] = _server_database("django.db.backends.mysql", MYSQL, charset="utf8mb4")
     DATABASES["mysql"]["TEST"]["CHARSET"] = "utf8mb4"
 else:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,8 @@ from django_dlock.exceptions import LockConfigurationError
 from tests.servers import (
     EtcdServer,
     etcdctl,
+    etcdctl_popen,
     free_port,
-    make_test_ca,
     start_etcd_cluster,
     wait_for,
 )
@@ -60,6 +61,40 @@ def keys(endpoint: str, prefix: str) -> list[dict[str, Any]]:
         kv["key"] = base64.b64decode(kv["key"]).decode()
         kv["value"] = base64.b64decode(kv.get("value", "")).decode()
     return sorted(kvs, key=lambda kv: kv["create_revision"])
+
+
+def lease_of(endpoint: str, name: str) -> str:
+    """The lease (hex) in the key of the oldest holder or waiter of ``name``."""
+    return str(keys(endpoint, f"dlock/{name}/")[0]["key"].rsplit("/", 1)[1])
+
+
+@pytest.fixture
+def make_backend() -> Iterator[Callable[..., EtcdBackend]]:
+    """``make_backend(location, alias="own", **options)``: closed after the test."""
+    made: list[EtcdBackend] = []
+
+    def make(location: str | list[str], alias: str = "own", **options: Any) -> EtcdBackend:
+        made.append(EtcdBackend(alias, {"LOCATION": location, "OPTIONS": options}))
+        return made[-1]
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., EtcdServer]]:
+    """etcd members of the test's own (to kill, or to configure), removed at the end."""
+    made: list[EtcdServer] = []
+
+    def make(label: str, *extra: str, scheme: str = "http") -> EtcdServer:
+        client, peer = free_port(), free_port()
+        made.append(EtcdServer(label, client, peer, {label: peer}, *extra, scheme=scheme))
+        return made[-1].start()
+
+    yield make
+    for server in made:
+        server.cleanup()
 
 
 def python(code: str) -> subprocess.Popen[str]:
@@ -105,12 +140,7 @@ def test_names_with_slashes_are_separate_locks(name: str) -> None:
 
 def test_etcdctl_lock_waits_while_we_hold(single: EtcdServer, name: str) -> None:
     held = lock(name, backend="etcd").acquire()
-    proc = subprocess.Popen(
-        ["etcdctl", f"--endpoints={single.endpoint}", "lock", f"dlock/{name}", "echo", "got-it"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={"ETCDCTL_API": "3", "PATH": os.environ["PATH"]},
-    )
+    proc = etcdctl_popen(single.endpoint, "lock", f"dlock/{name}", "echo", "got-it")
     try:
         wait_for(lambda: len(keys(single.endpoint, f"dlock/{name}/")) == 2, 10, "etcdctl queued")
         time.sleep(0.5)
@@ -124,12 +154,7 @@ def test_etcdctl_lock_waits_while_we_hold(single: EtcdServer, name: str) -> None
 
 
 def test_we_wait_while_etcdctl_holds(single: EtcdServer, name: str) -> None:
-    proc = subprocess.Popen(
-        ["etcdctl", f"--endpoints={single.endpoint}", "lock", f"dlock/{name}"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={"ETCDCTL_API": "3", "PATH": os.environ["PATH"]},
-    )
+    proc = etcdctl_popen(single.endpoint, "lock", f"dlock/{name}")
     try:
         assert proc.stdout is not None
         key = proc.stdout.readline().strip()  # printed once etcdctl holds the lock
@@ -245,33 +270,32 @@ def test_holder_killed_frees_the_lock_when_its_lease_runs_out(
 # --- leases -----------------------------------------------------------------------------
 
 
-def test_one_session_lease_per_process_and_ttl(single: EtcdServer, name: str) -> None:
-    backend = EtcdBackend("own", {"LOCATION": single.endpoint})
-    try:
-        a = backend.acquire(f"{name}:a")
-        b = backend.acquire(f"{name}:b")
-        c = backend.acquire(f"{name}:c", ttl=10)
-        d = backend.acquire(f"{name}:d", renew=False)
-        ours = [
-            kv for kv in keys(single.endpoint, "dlock/") if kv["key"].startswith(f"dlock/{name}:")
-        ]
-        lease = {kv["key"].split("/")[-2][-1]: kv["lease"] for kv in ours}
-        assert lease["a"] == lease["b"], "two locks of one process and TTL share a session"
-        assert lease["c"] != lease["a"], "another TTL is another session"
-        assert lease["d"] not in (lease["a"], lease["c"]), "renew=False has a lease of its own"
-        d.release()
-        out = etcdctl(single.endpoint, "lease", "timetolive", f"{lease['d']:x}").stdout
-        assert "already expired" in out or "not found" in out, out
-        for held in (a, b, c):
-            held.release()
-    finally:
-        backend.close()
+def test_one_session_lease_per_process_and_ttl(
+    single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
+) -> None:
+    backend = make_backend(single.endpoint)
+    a = backend.acquire(f"{name}:a")
+    b = backend.acquire(f"{name}:b")
+    c = backend.acquire(f"{name}:c", ttl=10)
+    d = backend.acquire(f"{name}:d", renew=False)
+    ours = [kv for kv in keys(single.endpoint, "dlock/") if kv["key"].startswith(f"dlock/{name}:")]
+    lease = {kv["key"].split("/")[-2][-1]: kv["lease"] for kv in ours}
+    assert lease["a"] == lease["b"], "two locks of one process and TTL share a session"
+    assert lease["c"] != lease["a"], "another TTL is another session"
+    assert lease["d"] not in (lease["a"], lease["c"]), "renew=False has a lease of its own"
+    d.release()
+    out = etcdctl(single.endpoint, "lease", "timetolive", f"{lease['d']:x}").stdout
+    assert "already expired" in out or "not found" in out, out
+    for held in (a, b, c):
+        held.release()
 
 
-def test_close_revokes_the_session(single: EtcdServer, name: str) -> None:
-    backend = EtcdBackend("own", {"LOCATION": single.endpoint})
+def test_close_revokes_the_session(
+    single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
+) -> None:
+    backend = make_backend(single.endpoint)
     held = backend.acquire(name, ttl=60)
-    lease_hex = keys(single.endpoint, f"dlock/{name}/")[0]["key"].rsplit("/", 1)[1]
+    lease_hex = lease_of(single.endpoint, name)
     backend.close()
     # Released at once, not 60 s later.
     assert keys(single.endpoint, f"dlock/{name}/") == []
@@ -293,75 +317,69 @@ def test_exit_revokes_the_session(single: EtcdServer, name: str) -> None:
     assert keys(single.endpoint, f"dlock/{name}/") == []
 
 
-def test_forked_child_has_its_own_session(single: EtcdServer, name: str) -> None:
-    backend = EtcdBackend("own", {"LOCATION": single.endpoint})
-    try:
-        held = backend.acquire(name)
-        pid = os.fork()
-        if pid == 0:  # the child: the parent's lock is not the child's
-            code = 1
+def test_forked_child_has_its_own_session(
+    single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
+) -> None:
+    backend = make_backend(single.endpoint)
+    held = backend.acquire(name)
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's lock is not the child's
+        code = 1
+        try:
             try:
-                try:
-                    backend.acquire(name, timeout=0)
-                except LockTimeout:
-                    with backend.acquire(f"{name}:child", timeout=0):
-                        code = 0 if not backend.do_check(name, held.owner) else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-        held.ensure()  # the child's exit did not revoke the parent's session
-        held.release()
-    finally:
-        backend.close()
+                backend.acquire(name, timeout=0)
+            except LockTimeout:
+                with backend.acquire(f"{name}:child", timeout=0):
+                    code = 0 if not backend.do_check(name, held.owner) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    held.ensure()  # the child's exit did not revoke the parent's session
+    held.release()
 
 
-def test_a_release_that_cannot_reach_etcd_is_finished_later(name: str) -> None:
-    client, peer = free_port(), free_port()
-    server = EtcdServer("orphan", client, peer, {"orphan": peer}).start()
-    backend = EtcdBackend("o", {"LOCATION": server.endpoint, "OPTIONS": {"timeout": 1}})
-    try:
-        keep = backend.acquire(f"{name}:keep", renew=False)
-        gone = backend.acquire(name, renew=True)
-        server.kill()
-        with pytest.raises(BackendUnavailable):
-            gone.release()
-        server.start()  # same data dir: the session lease and both keys are back
-        assert len(keys(server.endpoint, f"dlock/{name}/")) == 1
-        backend.acquire(f"{name}:other").release()  # any later call finishes the release
-        assert keys(server.endpoint, f"dlock/{name}/") == []
-        with backend.acquire(name, timeout=0) as again:
-            assert again.token > gone.token
-        keep.release()
-    finally:
-        backend.close()
-        server.cleanup()
+def test_a_release_that_cannot_reach_etcd_is_finished_later(
+    name: str, make_server: Callable[..., EtcdServer], make_backend: Callable[..., EtcdBackend]
+) -> None:
+    server = make_server("orphan")
+    backend = make_backend(server.endpoint, timeout=1)
+    keep = backend.acquire(f"{name}:keep", renew=False)
+    gone = backend.acquire(name, renew=True)
+    server.kill()
+    with pytest.raises(BackendUnavailable):
+        gone.release()
+    server.start()  # same data dir: the session lease and both keys are back
+    assert len(keys(server.endpoint, f"dlock/{name}/")) == 1
+    backend.acquire(f"{name}:other").release()  # any later call finishes the release
+    assert keys(server.endpoint, f"dlock/{name}/") == []
+    with backend.acquire(name, timeout=0) as again:
+        assert again.token > gone.token
+    keep.release()
 
 
-def test_a_revoked_session_is_replaced(single: EtcdServer, name: str) -> None:
-    backend = EtcdBackend("own", {"LOCATION": single.endpoint})
-    try:
-        with backend.acquire(name):
-            lease_hex = keys(single.endpoint, f"dlock/{name}/")[0]["key"].rsplit("/", 1)[1]
-        assert etcdctl(single.endpoint, "lease", "revoke", lease_hex).returncode == 0
-        with backend.acquire(name, timeout=0):
-            [kv] = keys(single.endpoint, f"dlock/{name}/")
-            assert kv["key"].rsplit("/", 1)[1] != lease_hex
-    finally:
-        backend.close()
+def test_a_revoked_session_is_replaced(
+    single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
+) -> None:
+    backend = make_backend(single.endpoint)
+    with backend.acquire(name):
+        lease_hex = lease_of(single.endpoint, name)
+    assert etcdctl(single.endpoint, "lease", "revoke", lease_hex).returncode == 0
+    with backend.acquire(name, timeout=0):
+        [kv] = keys(single.endpoint, f"dlock/{name}/")
+        assert kv["key"].rsplit("/", 1)[1] != lease_hex
 
 
-def test_ttl_is_rounded_up_to_whole_seconds(single: EtcdServer, name: str) -> None:
-    backend = EtcdBackend("own", {"LOCATION": single.endpoint})
-    try:
-        with backend.acquire(name, ttl=2.5, renew=False) as held:
-            lease_hex = keys(single.endpoint, f"dlock/{name}/")[0]["key"].rsplit("/", 1)[1]
-            out = etcdctl(single.endpoint, "lease", "timetolive", lease_hex).stdout
-            assert "granted with TTL(3s)" in out, out
-            # The handle counts on no more than it asked for.
-            assert held.expires_in <= 2.5
-    finally:
-        backend.close()
+def test_ttl_is_rounded_up_to_whole_seconds(
+    single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
+) -> None:
+    backend = make_backend(single.endpoint)
+    with backend.acquire(name, ttl=2.5, renew=False) as held:
+        lease_hex = lease_of(single.endpoint, name)
+        out = etcdctl(single.endpoint, "lease", "timetolive", lease_hex).stdout
+        assert "granted with TTL(3s)" in out, out
+        # The handle counts on no more than it asked for.
+        assert held.expires_in <= 2.5
 
 
 # --- connections ------------------------------------------------------------------------
@@ -398,107 +416,72 @@ def test_missing_tls_file_is_a_check_error(tmp_path: Path) -> None:
     assert "nope.crt" in error.msg
 
 
-def test_unreachable_cluster_is_unavailable(name: str) -> None:
-    backend = EtcdBackend(
-        "down",
-        {"LOCATION": [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"],
-         "OPTIONS": {"timeout": 0.5}},
-    )  # fmt: skip
-    try:
-        with pytest.raises(BackendUnavailable, match="down"):
-            backend.acquire(name, timeout=0)
-    finally:
-        backend.close()
+def test_unreachable_cluster_is_unavailable(
+    name: str, make_backend: Callable[..., EtcdBackend]
+) -> None:
+    location = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    backend = make_backend(location, alias="down", timeout=0.5)
+    with pytest.raises(BackendUnavailable, match="down"):
+        backend.acquire(name, timeout=0)
 
 
-def test_failover_to_the_next_endpoint(etcd_servers: dict[str, Any], name: str) -> None:
+def test_failover_to_the_next_endpoint(
+    single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
+) -> None:
     """A dead endpoint first in LOCATION costs a refused connection, not the lock."""
-    live = etcd_servers["single"].endpoint
-    backend = EtcdBackend("fo", {"LOCATION": [f"127.0.0.1:{free_port()}", live]})
+    backend = make_backend([f"127.0.0.1:{free_port()}", single.endpoint])
     backend.state.transport.current = 0
-    try:
-        with backend.acquire(name, timeout=0) as held:
-            assert backend.list(name)[0].token == held.token
-    finally:
-        backend.close()
+    with backend.acquire(name, timeout=0) as held:
+        assert backend.list(name)[0].token == held.token
 
 
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return make_test_ca(tmp_path_factory.mktemp("etcd-tls"))
-
-
-def test_tls_with_client_certificate(tls_files: dict[str, Path], name: str) -> None:
-    client, peer = free_port(), free_port()
-    server = EtcdServer(
-        "tls", client, peer, {"tls": peer},
+def test_tls_with_client_certificate(
+    tls_files: dict[str, Path],
+    name: str,
+    make_server: Callable[..., EtcdServer],
+    make_backend: Callable[..., EtcdBackend],
+) -> None:
+    server = make_server(
+        "tls",
         "--cert-file", str(tls_files["cert"]),
         "--key-file", str(tls_files["key"]),
         "--trusted-ca-file", str(tls_files["ca"]),
         "--client-cert-auth",
         scheme="https",
-    ).start()  # fmt: skip
-    options = {
-        "ca": str(tls_files["ca"]),
-        "cert": str(tls_files["client_cert"]),
-        "key": str(tls_files["client_key"]),
-    }
-    try:
-        backend = EtcdBackend(
-            "tls", {"LOCATION": f"https://{server.endpoint}", "OPTIONS": options}
-        )
-        try:
-            with backend.acquire(name, timeout=5) as held:
-                assert backend.list(name)[0].token == held.token
-        finally:
-            backend.close()
-        # Without the client certificate the server refuses us.
-        no_cert = EtcdBackend(
-            "tls", {"LOCATION": f"https://{server.endpoint}",
-                    "OPTIONS": {"ca": options["ca"], "timeout": 1}}
-        )  # fmt: skip
-        try:
-            with pytest.raises(BackendUnavailable):
-                no_cert.acquire(name, timeout=0)
-        finally:
-            no_cert.close()
-    finally:
-        server.cleanup()
+    )  # fmt: skip
+    url = f"https://{server.endpoint}"
+    ca = str(tls_files["ca"])
+    backend = make_backend(
+        url, ca=ca, cert=str(tls_files["client_cert"]), key=str(tls_files["client_key"])
+    )
+    with backend.acquire(name, timeout=5) as held:
+        assert backend.list(name)[0].token == held.token
+    # Without the client certificate the server refuses us.
+    with pytest.raises(BackendUnavailable):
+        make_backend(url, ca=ca, timeout=1).acquire(name, timeout=0)
 
 
-def test_user_and_password(name: str) -> None:
-    client, peer = free_port(), free_port()
-    server = EtcdServer("auth", client, peer, {"auth": peer}).start()
-    try:
-        for args in (
-            ["user", "add", "root:rootpw"],
-            ["user", "add", "app:s3cret"],
-            ["role", "add", "locks"],
-            ["role", "grant-permission", "locks", "--prefix=true", "readwrite", "dlock/"],
-            ["user", "grant-role", "app", "locks"],
-            ["auth", "enable"],
-        ):
-            result = etcdctl(server.endpoint, *args)
-            assert result.returncode == 0, result.stderr
-        backend = EtcdBackend(
-            "auth", {"LOCATION": server.endpoint, "OPTIONS": {"user": "app", "password": "s3cret"}}
-        )
-        try:
-            with backend.acquire(name, timeout=5) as held:
-                held.extend()
-                assert [i.token for i in backend.list(name)] == [held.token]
-        finally:
-            backend.close()
-        wrong = EtcdBackend(
-            "auth", {"LOCATION": server.endpoint, "OPTIONS": {"user": "app", "password": "no"}}
-        )
-        try:
-            with pytest.raises(BackendUnavailable, match="auth"):
-                wrong.acquire(name, timeout=0)
-        finally:
-            wrong.close()
-    finally:
-        server.cleanup()
+def test_user_and_password(
+    name: str, make_server: Callable[..., EtcdServer], make_backend: Callable[..., EtcdBackend]
+) -> None:
+    server = make_server("auth")
+    for args in (
+        ["user", "add", "root:rootpw"],
+        ["user", "add", "app:s3cret"],
+        ["role", "add", "locks"],
+        ["role", "grant-permission", "locks", "--prefix=true", "readwrite", "dlock/"],
+        ["user", "grant-role", "app", "locks"],
+        ["auth", "enable"],
+    ):
+        result = etcdctl(server.endpoint, *args)
+        assert result.returncode == 0, result.stderr
+    backend = make_backend(server.endpoint, user="app", password="s3cret")
+    with backend.acquire(name, timeout=5) as held:
+        held.extend()
+        assert [i.token for i in backend.list(name)] == [held.token]
+    wrong = make_backend(server.endpoint, user="app", password="no")
+    with pytest.raises(BackendUnavailable, match="auth"):
+        wrong.acquire(name, timeout=0)
 
 
 # --- a cluster losing members -------------------------------------------------------

@@ -24,7 +24,7 @@ from django_dlock import BackendUnavailable, LockTimeout, lock, locks
 from django_dlock.backends.base import Grant
 from django_dlock.backends.redis import WAITER_LEASE_MS, RedisBackend
 from django_dlock.checks import check_backends
-from tests.servers import RedisServer, free_port, make_test_ca, redis_cli, wait_for
+from tests.servers import RedisServer, free_port, redis_cli, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS = "django_dlock.backends.redis.RedisBackend"
@@ -294,11 +294,6 @@ def test_password_and_database_in_the_url(name: str) -> None:
                 lock(name, timeout=0).acquire()
     finally:
         server.cleanup()
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return make_test_ca(tmp_path_factory.mktemp("tls"))
 
 
 def test_tls_with_rediss_url(tls_files: dict[str, Path], name: str) -> None:
