@@ -47,6 +47,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import table, warm_pool  # noqa: E402
+
 TTL = 30
 HOLD = 0.001
 RACE = 0.002  # requests closer together than this may reach etcd in either order
@@ -213,18 +215,6 @@ def handoff(pool: Any, endpoint: str, kind: str, procs: int, window: float) -> d
     }
 
 
-def _pid(_: int) -> int:
-    time.sleep(0.2)
-    return os.getpid()
-
-
-def table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short windows and few cycles")
@@ -262,8 +252,7 @@ def main() -> None:
         results: dict[str, Any] = {"uncontended": rates, "handoff": []}
         context = multiprocessing.get_context("spawn")
         with context.Pool(procs) as pool:
-            while len(set(pool.map(_pid, range(procs), chunksize=1))) < procs:
-                pass
+            warm_pool(pool, procs)
             print(
                 f"\nHand-off: {procs} processes on one lock, hold {HOLD * 1000:g} ms, {window:g} s"
             )

@@ -38,6 +38,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import table, warm_pool  # noqa: E402
+
 TTL = 30
 IMPLS = ["floor", "redis-py", "redis_lock", "pottery", "ours", "ours-fair"]
 
@@ -155,19 +157,6 @@ def _window(args: tuple[str, str, str, float, float, float]) -> list[tuple[float
     return records
 
 
-def _pid(_: int) -> int:
-    time.sleep(0.2)
-    return os.getpid()
-
-
-def warm_pool(pool: Any, size: int) -> None:
-    """Wait until every pool process has started, so each window gets its own."""
-    for _ in range(50):
-        if len(set(pool.map(_pid, range(size), chunksize=1))) == size:
-            return
-    raise RuntimeError("the process pool did not start all its workers")
-
-
 def contended(
     pool: Any, url: str, kind: str, procs: int, hold: float, window: float
 ) -> dict[str, float]:
@@ -198,13 +187,6 @@ def contended(
 
 
 # --- report -----------------------------------------------------------------------------
-
-
-def table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def main() -> None:
