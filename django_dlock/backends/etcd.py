@@ -752,10 +752,17 @@ class EtcdBackend(BaseLockBackend):
                 raise
             if alive:
                 return stale
-            with state.mutex:
-                stale.names.discard(base)
-                if stale in sessions:
-                    sessions.remove(stale)
+            self._free_slot(stale, base)
+            self._drop_session(stale)
+
+    def _drop_session(self, lease: _Lease) -> None:
+        """Take a session lease that ran out, or was revoked, out of reuse."""
+        state = self.state
+        with state.mutex:
+            # Listed under the TTL asked for, which etcd may have raised.
+            for sessions in state.sessions.values():
+                if lease in sessions:
+                    sessions.remove(lease)
 
     def _free_slot(self, lease: _Lease, base: bytes) -> None:
         with self.state.mutex:
@@ -777,10 +784,11 @@ class EtcdBackend(BaseLockBackend):
     def _base(self, name: str) -> bytes:
         return self.root + _escape(name) + b"/"
 
-    def _make_names(self, name: str) -> tuple[bytes, Any]:
-        """``Pdlock/N/`` and the range op that reads its two newest keys."""
+    def _make_names(self, name: str) -> tuple[bytes, bytes, Any]:
+        """``Pdlock/N/``, the end of its range, and the op that reads its two newest keys."""
         base = self._base(name)
-        return base, _get(base, _range_end(base), limit=2, keys_only=True, **_CREATE_DESC)
+        end = _range_end(base)
+        return base, end, _get(base, end, limit=2, keys_only=True, **_CREATE_DESC)
 
     def do_acquire(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
@@ -790,7 +798,7 @@ class EtcdBackend(BaseLockBackend):
         entry = state.entries.get(owner)
         if entry is not None:
             return self._recheck(name, owner, entry, ttl)
-        base, newest_two = self._names(name)
+        base, _, newest_two = self._names(name)
         lease = self._take_slot(name, base, ttl, renew)
         key = base + f"{lease.id:x}".encode()
         entry = _Entry(base, key, lease, lease)
@@ -835,10 +843,7 @@ class EtcdBackend(BaseLockBackend):
             # Revoked behind our back, or etcd lost its data: use a new lease.
             lease.expires = 0.0
             self._forget(owner)
-            with state.mutex:
-                for sessions in state.sessions.values():
-                    if lease in sessions:
-                        sessions.remove(lease)
+            self._drop_session(lease)
             return self.do_acquire(name, owner, ttl, holder, renew)
         except BaseException:
             self._forget(owner)
@@ -852,7 +857,7 @@ class EtcdBackend(BaseLockBackend):
 
     def _recheck(self, name: str, owner: str, entry: _Entry, ttl: float) -> int | Grant | None:
         """After a wait: are we first now? If not, whom to watch next."""
-        end = _range_end(entry.base)
+        _, end, _ = self._names(name)
         reply = self._txn(
             name,
             _txn(
@@ -1003,8 +1008,7 @@ class EtcdBackend(BaseLockBackend):
         return entry is not None and self._check(name, owner, entry)
 
     def do_break(self, name: str) -> bool:
-        base = self._base(name)
-        end = _range_end(base)
+        base, end, _ = self._names(name)
         while True:
             reply = self._call(
                 name,
