@@ -49,7 +49,10 @@ logger = logging.getLogger("django_dlock")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_HELD, _RELEASED, _LOST = "held", "released", "lost"
+_HELD, _RELEASED, _LOST, _DETACHED = "held", "released", "lost", "detached"
+
+#: Version of the ticket that ``HeldLock.detach()`` returns and ``adopt()`` reads.
+TICKET_VERSION = 1
 
 #: Seconds between renewal retries after an error, as a fraction of the TTL.
 RETRY_FRACTION = 0.1
@@ -145,6 +148,11 @@ class HeldLock:
         return self._state == _RELEASED
 
     @property
+    def detached(self) -> bool:
+        """True once :meth:`detach` handed the lease to whoever adopts its ticket."""
+        return self._state == _DETACHED
+
+    @property
     def lost(self) -> bool:
         """True once the lease is known to be gone, or must have run out by our clock.
 
@@ -163,8 +171,8 @@ class HeldLock:
         One round trip. The confirmation is for this instant: a write that
         follows should still carry :attr:`token`.
         """
-        if self._state == _RELEASED:
-            raise self._error(LockLost, "was released")
+        if self._state in (_RELEASED, _DETACHED):
+            raise self._error(LockLost, f"was {self._state}")
         if self._state == _LOST:
             raise self._error(LockLost, f"was lost: {self.lost_reason}")
         if self.expires_in <= 0:
@@ -192,12 +200,12 @@ class HeldLock:
     def release(self) -> None:
         """Release the lease if this handle still owns it.
 
-        Releasing twice is a no-op. Raises :class:`LockNotOwned` when the lease
-        had already expired or been broken, since then the work done under it
-        was not protected to the end.
+        Releasing twice, or after :meth:`detach`, is a no-op. Raises
+        :class:`LockNotOwned` when the lease had already expired or been
+        broken, since then the work done under it was not protected to the end.
         """
         with self._mutex:
-            if self._state == _RELEASED:
+            if self._state in (_RELEASED, _DETACHED):
                 return
             was_lost = self._state == _LOST
             self._state = _RELEASED
@@ -220,6 +228,40 @@ class HeldLock:
                 token=self.token,
                 held=self,
             )
+
+    def detach(self) -> dict[str, Any]:
+        """Hand the lease over: stop renewing it here and return a ticket for another process.
+
+        The lease stays held on the lock service and runs out after its TTL
+        unless ``locks[alias].adopt(ticket)`` (in any process, on a backend of
+        the same settings) takes it up first. The ticket is JSON-serializable,
+        so it can travel in a message: ``@locked_task(scope="queue")`` sends
+        it with the task. This handle no longer owns the lease: releasing it
+        is a no-op and :meth:`ensure` raises :class:`LockLost`.
+        """
+        with self._mutex:
+            if self._state != _HELD:
+                raise self._error(LockNotOwned, f"cannot be detached: it was {self._state}")
+            self._state = _DETACHED
+        get_watchdog().cancel(self)
+        try:
+            state = self.backend.do_detach(self.name, self.owner)
+        except BaseException:
+            with self._mutex:
+                self._state = _HELD
+            if self._renew_enabled:
+                get_watchdog().schedule(self, 0)
+            raise
+        return {
+            "v": TICKET_VERSION,
+            "backend": self.alias,
+            "name": self.name,
+            "owner": self.owner,
+            "token": self.token,
+            "ttl": self.ttl,
+            "holder": self.holder,
+            "state": state,
+        }
 
     def __enter__(self) -> HeldLock:
         return self

@@ -9,6 +9,7 @@ have happened by now), never measure speed.
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from datetime import timedelta
@@ -458,3 +459,59 @@ def test_waiter_is_not_stranded_when_the_holder_never_releases(
     gone = lock(name, backend=backend_alias, ttl=short_ttl, renew=False).acquire()
     with lock(name, backend=backend_alias, timeout=15) as successor:
         assert successor.token > gone.token
+
+
+def test_a_detached_lease_stays_held_until_its_adopter_releases_it(
+    backend: BaseLockBackend, name: str
+) -> None:
+    held = backend.acquire(name, ttl=30, timeout=0, metadata={"note": "handed over"})
+    ticket = json.loads(json.dumps(held.detach()))  # it travels as JSON
+    assert held.detached
+    held.release()  # a no-op: the lease is no longer this handle's
+    with pytest.raises(LockLost):
+        held.ensure()
+    with pytest.raises(LockTimeout):
+        backend.acquire(name, timeout=0)
+    adopted = backend.adopt(ticket)
+    assert (adopted.name, adopted.token) == (name, held.token)
+    assert adopted.holder["note"] == "handed over"
+    adopted.ensure()
+    adopted.extend()
+    [info] = [info for info in backend.list(name) if info.name == name]
+    assert info.token == held.token
+    adopted.release()
+    assert backend.list(name) == []
+    with backend.acquire(name, timeout=0) as again:
+        assert again.token > held.token
+
+
+def test_an_adopted_lease_is_renewed_by_the_watchdog(
+    backend: BaseLockBackend, name: str, short_ttl: float, past_expiry: float
+) -> None:
+    ticket = backend.acquire(name, ttl=short_ttl, renew=False).detach()
+    adopted = backend.adopt(ticket)
+    time.sleep(past_expiry * 2)
+    adopted.ensure()
+    adopted.release()
+
+
+def test_a_ticket_nobody_adopts_runs_out(
+    backend: BaseLockBackend, name: str, short_ttl: float, past_expiry: float
+) -> None:
+    ticket = backend.acquire(name, ttl=short_ttl).detach()
+    time.sleep(past_expiry)
+    with backend.acquire(name, timeout=0) as newer:
+        with pytest.raises(LockNotOwned):
+            backend.adopt(ticket)
+        newer.ensure()
+
+
+def test_adopt_refuses_foreign_and_malformed_tickets(backend: BaseLockBackend, name: str) -> None:
+    held = backend.acquire(name, ttl=30, timeout=0)
+    ticket = held.detach()
+    with pytest.raises(ValueError, match="for lock backend 'some-other-alias'"):
+        backend.adopt({**ticket, "backend": "some-other-alias"})
+    for bad in ({}, {**ticket, "v": 99}, {**ticket, "owner": ""}, {**ticket, "token": "x"}):
+        with pytest.raises(ValueError):
+            backend.adopt(bad)
+    backend.adopt(ticket).release()

@@ -30,6 +30,12 @@ single-attempt primitives, as redis-py's ``Lock.acquire`` delegates to
 ``do_abandon(name, owner)``
     The waiter ``owner`` gives up (timeout or error): leave any queue it
     joined. The default does nothing.
+``do_detach(name, owner)`` / ``do_adopt(name, owner, state)``
+    Hand a held lease to another process: ``do_detach`` forgets it here
+    without releasing it and returns what another process needs to keep it
+    (JSON-serializable; the default: nothing, the owner token is enough);
+    ``do_adopt`` takes that up before the base class confirms the lease with
+    ``do_extend``.
 
 Capabilities are declared as class attributes, and the conformance suite
 skips, with the reason, what a backend declares it cannot do.
@@ -55,8 +61,14 @@ from .._validation import (
     validate_timeout,
     validate_ttl,
 )
-from ..exceptions import InvalidLockOption, InvalidTTL, LockConfigurationError, LockTimeout
-from ..lock import HeldLock, Lock
+from ..exceptions import (
+    InvalidLockOption,
+    InvalidTTL,
+    LockConfigurationError,
+    LockNotOwned,
+    LockTimeout,
+)
+from ..lock import TICKET_VERSION, HeldLock, Lock
 from ..signals import lock_broken
 
 logger = logging.getLogger("django_dlock")
@@ -199,6 +211,13 @@ class BaseLockBackend:
     def do_abandon(self, name: str, owner: str) -> None:
         """Leave whatever queue ``owner`` joined while waiting for ``name``."""
 
+    def do_detach(self, name: str, owner: str) -> Any:
+        """Forget ``owner``'s lease here without releasing it; return what adopting needs."""
+        return None
+
+    def do_adopt(self, name: str, owner: str, state: Any) -> None:
+        """Take up a lease that ``do_detach`` handed over, before ``do_extend`` confirms it."""
+
     def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
         """Sleep an exponentially growing, jittered interval, never past the deadline."""
         ceiling = min(BACKOFF_CEILING, BACKOFF_FIRST * BACKOFF_FACTOR**attempt)
@@ -277,6 +296,48 @@ class BaseLockBackend:
         else:
             token, expires, lease = result, sent + ttl, ttl
         return HeldLock._granted(self, name, owner, token, ttl, expires, lease, holder, renew)
+
+    def adopt(
+        self,
+        ticket: Mapping[str, Any],
+        *,
+        ttl: float | None = None,
+        renew: bool = True,
+    ) -> HeldLock:
+        """Take up a lease that :meth:`HeldLock.detach` handed over, in this or another process.
+
+        The lease is confirmed on the lock service and made to run ``ttl``
+        seconds from now (default: the TTL it was held with). Raises
+        :class:`~django_dlock.LockNotOwned` if it ran out or was broken in the
+        meantime, and ``ValueError`` for a ticket that is not one of ours or
+        names another backend alias.
+        """
+        if not isinstance(ticket, Mapping) or ticket.get("v") != TICKET_VERSION:
+            raise ValueError(f"Not a django-dlock lease ticket: {ticket!r}.")
+        if ticket.get("backend") != self.alias:
+            raise ValueError(
+                f"The ticket is for lock backend {ticket.get('backend')!r}, not {self.alias!r}."
+            )
+        try:
+            name = validate_name(ticket["name"])
+            owner, token = ticket["owner"], int(ticket["token"])
+            held_ttl = validate_ttl(ticket["ttl"])
+            holder = dict(ticket.get("holder") or {})
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"Malformed django-dlock lease ticket {ticket!r}: {e}") from e
+        if not isinstance(owner, str) or not owner:
+            raise ValueError(f"Malformed django-dlock lease ticket {ticket!r}: no owner.")
+        ttl = held_ttl if ttl is None else validate_ttl(ttl)
+        self.do_adopt(name, owner, ticket.get("state"))
+        sent = time.monotonic()
+        if not self.do_extend(name, owner, ttl):
+            raise LockNotOwned(
+                f"Lock {name!r} (token {token}) on backend {self.alias!r} cannot be adopted: "
+                "its lease ran out or was broken.",
+                name=name,
+                backend=self.alias,
+            )
+        return HeldLock._granted(self, name, owner, token, ttl, sent + ttl, ttl, holder, renew)
 
     def drift(self, ttl: float) -> float:
         """Seconds of a ``ttl`` lease that a holder must not count on.

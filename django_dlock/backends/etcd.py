@@ -69,7 +69,7 @@ from urllib.parse import unquote
 from django.core import checks
 
 from .._validation import load_holder
-from ..exceptions import BackendUnavailable
+from ..exceptions import BackendUnavailable, LockNotOwned
 from .base import BaseLockBackend, Grant, LockInfo
 
 try:
@@ -924,6 +924,55 @@ class EtcdBackend(BaseLockBackend):
         reply = self._delete_entry(name, entry, ambiguous=retried)
         # A delete that failed over may have been applied by the first try.
         return bool(reply.succeeded) or bool(retried)
+
+    def do_detach(self, name: str, owner: str) -> dict[str, Any]:
+        entry = self.state.entries.get(owner)
+        if entry is None:
+            raise LockNotOwned(
+                f"Lock {name!r} on backend {self.alias!r} is not held by this process.",
+                name=name,
+                backend=self.alias,
+            )
+        if not entry.lease.private and not self._move(name, owner, entry, entry.lease.ttl):
+            # The session lease is kept alive for this process's other locks;
+            # the key must go under a lease that runs out without us.
+            raise LockNotOwned(
+                f"Lock {name!r} on backend {self.alias!r} was lost before it could be detached.",
+                name=name,
+                backend=self.alias,
+            )
+        self._forget(owner, revoke=False)
+        if not entry.slot.private:
+            # The key is still named after this session lease, and may live on
+            # in an adopter: keep the name taken, so that a later acquisition
+            # here puts a key of another name instead of finding this one.
+            with self.state.mutex:
+                entry.slot.names.add(entry.base)
+        return {
+            "key": entry.key.hex(),
+            "revision": entry.revision,
+            "lease": entry.lease.id,
+            "lease_ttl": entry.lease.ttl,
+        }
+
+    def do_adopt(self, name: str, owner: str, state: Any) -> None:
+        try:
+            key = bytes.fromhex(state["key"])
+            revision, lease_id, seconds = (
+                int(state["revision"]),
+                int(state["lease"]),
+                int(state["lease_ttl"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"Malformed etcd lease ticket state {state!r}: {e}") from e
+        base = self._names(name)[0]
+        if not key.startswith(base):
+            raise ValueError(f"The ticket's etcd key {key!r} is not under lock {name!r}.")
+        # Private: adopting took it over for this acquisition alone, and its
+        # expiry is unknown here until the keep-alive that confirms it.
+        lease = _Lease(lease_id, seconds, 0.0, private=True)
+        with self.state.mutex:
+            self.state.entries[owner] = _Entry(base, key, lease, lease, revision)
 
     def do_abandon(self, name: str, owner: str) -> None:
         entry = self._forget(owner, revoke=False)
