@@ -383,6 +383,44 @@ def _template_fields(template: str) -> set[str]:
     return roots
 
 
+class KeyTemplate:
+    """A lock name filled from a call's arguments: ``"invoice:{invoice_id}"``.
+
+    Fields name parameters of ``signature`` (attributes and items work too:
+    ``"{invoice.pk}"``); defaults apply, and ``**kwargs`` contribute their
+    keys. A template without fields is a fixed name.
+    """
+
+    def __init__(self, template: str, signature: inspect.Signature, qualname: str) -> None:
+        self.template = template
+        self.signature = signature
+        fields = _template_fields(template)
+        self._var_keyword = [
+            p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD
+        ]
+        missing = fields - set(signature.parameters)
+        if missing and not self._var_keyword:
+            raise ValueError(
+                f"Lock key {template!r} names {sorted(missing)!r}, which "
+                f"{qualname}() does not take."
+            )
+        self._static = None if fields else template.format()
+
+    def arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The call's arguments by parameter name, defaults applied, ``**kwargs`` merged in."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        for name in self._var_keyword:
+            values.update(values.pop(name, {}))
+        return values
+
+    def format(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        if self._static is not None:
+            return self._static
+        return self.template.format(**self.arguments(args, kwargs))
+
+
 class Lock:
     """A distributed lock on ``name``: what to acquire, not an acquisition.
 
@@ -456,30 +494,8 @@ class Lock:
 
     def __call__(self, func: F) -> F:
         """Decorate ``func`` so each call runs under the lock, the key built from its arguments."""
-        signature = inspect.signature(func)
-        fields = _template_fields(self.name)
-        has_var_keyword = any(
-            p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
-        )
-        missing = fields - set(signature.parameters)
-        if missing and not has_var_keyword:
-            raise ValueError(
-                f"Lock key {self.name!r} names {sorted(missing)!r}, which "
-                f"{func.__qualname__}() does not take."
-            )
-
-        static_key = None if fields else self.name.format()
-
-        def key_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-            if static_key is not None:
-                return static_key
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            values = dict(bound.arguments)
-            for p in signature.parameters.values():
-                if p.kind is inspect.Parameter.VAR_KEYWORD:
-                    values.update(values.pop(p.name, {}))
-            return self.name.format(**values)
+        template = KeyTemplate(self.name, inspect.signature(func), func.__qualname__)
+        key_for = template.format
 
         if inspect.iscoroutinefunction(func):
 

@@ -11,6 +11,12 @@ also pass ``held`` (the :class:`~django_dlock.lock.HeldLock`).
   handle, from the thread that noticed: often the watchdog thread.
 - ``lock_broken``: an operator broke a lease with ``break_lock()``; ``token``
   is None because the breaker does not learn it.
+
+``task_skipped`` is sent by ``django_dlock.celery`` when a locked task call is
+skipped because its lock is held (``on_locked="skip"``), with ``sender`` = the
+task class and ``task`` (the task), ``task_id``, ``name`` (the lock key),
+``backend``, ``scope`` (``"run"``: the body did not run; ``"queue"``: the
+message was not sent), ``args`` and ``kwargs``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ lock_acquired = Signal()
 lock_released = Signal()
 lock_lost = Signal()
 lock_broken = Signal()
+task_skipped = Signal()
 
 
 @receiver(setting_changed)

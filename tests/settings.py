@@ -6,8 +6,10 @@ left out and its tests are skipped with the reason, unless
 DLOCK_REQUIRE_ALL_BACKENDS=1 (as in CI), which makes that an error.
 """
 
+import json
 import os
 import shutil
+from collections.abc import Callable
 import tempfile
 from typing import Any
 
@@ -22,6 +24,12 @@ REQUIRE_ALL = os.environ.get("DLOCK_REQUIRE_ALL_BACKENDS") == "1"
 _TMP = os.environ.setdefault(
     "DLOCK_TEST_TMP", tempfile.mkdtemp(prefix=f"dlock-tests-{os.getpid()}-")
 )
+
+
+def _shared_ports(variable: str, pick: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    if variable not in os.environ:
+        os.environ[variable] = json.dumps(pick())
+    return json.loads(os.environ[variable])  # type: ignore[no-any-return]
 
 
 PG = {
@@ -105,11 +113,16 @@ if "mysql" in DATABASES:
 # Redis: the tests start their own servers on these ports (tests/servers.py);
 # nothing is listening yet when this module is imported.
 _REDIS = "django_dlock.backends.redis.RedisBackend"
-REDIS_PORTS = {
-    "single": free_port(),
-    "cluster": [free_port() for _ in range(3)],
-    "redlock": [free_port() for _ in range(3)],
-}
+# The ports go into the environment, so that processes the tests start (Celery
+# workers) import these settings with the same ones.
+REDIS_PORTS = _shared_ports(
+    "DLOCK_TEST_REDIS_PORTS",
+    lambda: {
+        "single": free_port(),
+        "cluster": [free_port() for _ in range(3)],
+        "redlock": [free_port() for _ in range(3)],
+    },
+)
 if shutil.which("redis-server") and shutil.which("redis-cli"):
     _single = f"redis://127.0.0.1:{REDIS_PORTS['single']}/0"
     DLOCK_BACKENDS.update(
@@ -144,10 +157,13 @@ else:
 
 # etcd: the tests start their own members on these (client, peer) ports.
 _ETCD = "django_dlock.backends.etcd.EtcdBackend"
-ETCD_PORTS = {
-    "single": (free_port(), free_port()),
-    "cluster": [(free_port(), free_port()) for _ in range(3)],
-}
+ETCD_PORTS = _shared_ports(
+    "DLOCK_TEST_ETCD_PORTS",
+    lambda: {
+        "single": (free_port(), free_port()),
+        "cluster": [(free_port(), free_port()) for _ in range(3)],
+    },
+)
 if shutil.which("etcd") and shutil.which("etcdctl"):
     DLOCK_BACKENDS.update(
         {
@@ -177,3 +193,13 @@ CONFORMANCE_BACKENDS = {
     "etcd": None,
     "etcd-cluster": None,
 }
+
+# Celery: the tests' tasks (tests/tasks.py) lock on the "celery" alias, which is
+# DLOCK_TEST_CELERY_LOCKS's backend (Redis by default). Eager tests use the
+# in-memory transport; tests that start a worker pass it a real broker.
+DLOCK_BACKENDS["celery"] = dict(DLOCK_BACKENDS[os.environ.get("DLOCK_TEST_CELERY_LOCKS", "redis")])
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "memory://")
+CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, Any] = {}
+CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", "cache+memory://")
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("DLOCK_TEST_CELERY_QUEUE", "dlock-tests")
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False

@@ -66,3 +66,22 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"
+
+# Celery (testproject/celery.py). The default broker is kombu's filesystem
+# transport and results go to files, so the demo's worker needs no server;
+# the tests set CELERY_BROKER_URL / CELERY_RESULT_BACKEND to real ones.
+CELERY_DATA_DIR = Path(os.environ.get("DLOCK_CELERY_DATA", BASE_DIR / ".celery"))
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")
+CELERY_BROKER_TRANSPORT_OPTIONS = (
+    {
+        "data_folder_in": str(CELERY_DATA_DIR / "queue"),
+        "data_folder_out": str(CELERY_DATA_DIR / "queue"),
+        "polling_interval": 0.1,
+    }
+    if CELERY_BROKER_URL == "filesystem://"
+    else {}
+)
+CELERY_RESULT_BACKEND = os.environ.get(
+    "CELERY_RESULT_BACKEND", f"file://{CELERY_DATA_DIR / 'results'}"
+)
+CELERY_TASK_SERIALIZER = CELERY_RESULT_SERIALIZER = "json"

@@ -1,0 +1,540 @@
+"""Celery: ``@locked_task`` stops the same work from running twice.
+
+The only module of django-dlock that imports Celery. ``locked_task`` is
+``shared_task(base=LockedTask, lock=...)``; ``@app.task(base=LockedTask,
+lock={...})`` works as well. Lock options (``docs/celery.md`` has the table):
+
+``key``
+    A template over the task's arguments, ``"sync:{account_id}"``. The
+    default is the task name and a hash of all its arguments.
+``ttl``
+    Lease length; the watchdog renews it while the body runs.
+``backend``
+    The ``DLOCK_BACKENDS`` alias.
+``on_locked``
+    What a call does when its lock is held: ``"skip"`` (log, send
+    ``task_skipped``, return None), ``"retry"`` (``self.retry()``),
+    ``"raise"`` (``LockTimeout``) or ``"wait"`` (up to ``timeout`` seconds).
+``scope``
+    ``"run"``: the lock is held while the body runs. ``"queue"``: it is taken
+    in ``apply_async``, so a duplicate is not even enqueued, travels with the
+    message as a ticket (``HeldLock.detach()``), and is adopted by the worker
+    that runs it and released when the run ends.
+
+The lifecycle, walked through in time, with the cases the peers get wrong:
+
+    t0  apply_async (queue scope) takes "sync:7" for ttl + countdown seconds,
+        detaches it and sends the ticket in the message headers. If sending
+        fails, the lease is released before the error propagates.
+    t1  A worker picks the message up and adopts the lease; the watchdog
+        renews it while the body runs. ``self.lock.token`` is its fencing
+        token. (Run scope acquires here instead.)
+    t2  The body calls ``self.retry()``. Run scope releases first, so that
+        the retry, which may start on another worker before this run has
+        returned, does not find its own lock. Queue scope hands the lease on
+        to the retry's message instead, so no duplicate slips in between.
+    t3  The body returns, raises, or raises Ignore/Reject: the lease is
+        released in ``__call__`` (``after_return`` is not called for
+        Ignore and Reject). The release compares the owner on the server.
+    --  A message revoked before it ran releases its queue lease in the
+        worker that discards it. A terminated or killed worker renews
+        nothing, so its lease runs out within the TTL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, ClassVar
+
+from celery import Task, current_app, shared_task
+from celery.signals import task_revoked
+from django.core import checks
+from kombu.utils.uuid import uuid
+
+from . import conf
+from ._validation import validate_timeout, validate_ttl
+from .exceptions import BackendUnavailable, LockLost, LockTimeout
+from .handler import locks
+from .lock import HeldLock, KeyTemplate
+from .signals import task_skipped
+
+__all__ = ["HEADER", "LockOptions", "LockedTask", "locked_task"]
+
+logger = logging.getLogger("django_dlock.celery")
+
+#: Message header that carries a queue-scope lease's ticket to the worker.
+HEADER = "django_dlock"
+ON_LOCKED = ("skip", "retry", "raise", "wait")
+SCOPES = ("run", "queue")
+
+#: Visibility timeouts of the transports that redeliver unacknowledged
+#: messages, when ``broker_transport_options`` does not set one (kombu's defaults).
+TRANSPORT_VISIBILITY_TIMEOUTS = {
+    "redis": 3600.0,
+    "rediss": 3600.0,
+    "sentinel": 3600.0,
+    "sqs": 1800.0,
+}
+
+# The lease each running locked task holds in this context (thread, or the
+# eager caller's thread), innermost last: (task, task id, handle).
+_running: ContextVar[tuple[tuple[Task, str | None, HeldLock], ...]] = ContextVar(
+    "django_dlock_celery_running", default=()
+)
+
+
+@dataclass(frozen=True)
+class LockOptions:
+    """The ``lock={...}`` options of a locked task, validated."""
+
+    key: str | None = None
+    ttl: float | None = None
+    backend: str = conf.DEFAULT_ALIAS
+    on_locked: str = "skip"
+    scope: str = "run"
+    timeout: float | None = None
+    countdown: float | None = None
+
+    @classmethod
+    def parse(cls, value: Any, task: str = "the task") -> LockOptions:
+        """Validate a ``lock={...}`` dict; errors name ``task``."""
+        if value is None:
+            return cls()
+        if isinstance(value, LockOptions):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"lock options of {task} must be a dict, not {type(value).__name__}.")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise TypeError(
+                f"Unknown lock options {unknown!r} for {task}; the options are {sorted(known)!r}."
+            )
+        key = value.get("key")
+        if key is not None and (not isinstance(key, str) or not key):
+            raise TypeError(f"lock key of {task} must be a non-empty str template.")
+        ttl = value.get("ttl")
+        backend = value.get("backend", conf.DEFAULT_ALIAS)
+        if not isinstance(backend, str):
+            raise TypeError(f"lock backend of {task} must be an alias (str), not {backend!r}.")
+        on_locked = value.get("on_locked", "skip")
+        if on_locked not in ON_LOCKED:
+            raise ValueError(
+                f"on_locked of {task} must be one of {ON_LOCKED!r}, not {on_locked!r}."
+            )
+        scope = value.get("scope", "run")
+        if scope not in SCOPES:
+            raise ValueError(f"scope of {task} must be one of {SCOPES!r}, not {scope!r}.")
+        if on_locked == "retry" and scope == "queue":
+            raise ValueError(
+                f"on_locked='retry' retries a running task, but in scope='queue' {task} is "
+                "refused while it is being enqueued; use 'skip', 'raise' or 'wait'."
+            )
+        if "timeout" in value and on_locked != "wait":
+            raise ValueError(f"timeout applies to on_locked='wait' only ({task}).")
+        if "countdown" in value and on_locked != "retry":
+            raise ValueError(f"countdown applies to on_locked='retry' only ({task}).")
+        countdown = value.get("countdown")
+        if countdown is not None and (
+            isinstance(countdown, bool) or not isinstance(countdown, (int, float)) or countdown < 0
+        ):
+            raise ValueError(f"countdown of {task} must be a number of seconds >= 0.")
+        return cls(
+            key=key,
+            ttl=None if ttl is None else validate_ttl(ttl),
+            backend=backend,
+            on_locked=on_locked,
+            scope=scope,
+            timeout=validate_timeout(value.get("timeout")),
+            countdown=None if countdown is None else float(countdown),
+        )
+
+
+class _CurrentLock:
+    """``self.lock``: the lease the running task holds here (None when it holds none).
+
+    On the class, ``LockedTask.lock`` is the task's :class:`LockOptions`.
+    """
+
+    def __get__(self, task: Task | None, cls: type[LockedTask]) -> Any:
+        if task is None:
+            return cls.lock_options
+        for running, _, held in reversed(_running.get()):
+            if running is task:
+                return held
+        return None
+
+
+def _run_signature(cls: type[Task]) -> tuple[inspect.Signature, str]:
+    """The signature callers use: ``bind=True`` tasks and ``def run(self, ...)`` drop ``self``."""
+    run = inspect.getattr_static(cls, "run")
+    if isinstance(run, staticmethod):
+        return inspect.signature(run.__func__), run.__func__.__qualname__
+    signature = inspect.signature(run)
+    params = list(signature.parameters.values())[1:]
+    return signature.replace(parameters=params), run.__qualname__
+
+
+class LockedTask(Task):  # type: ignore[misc]
+    """A Celery task base that runs each distinct call at most once at a time.
+
+    Configure it with ``lock={...}`` (see the module docstring), as a class
+    attribute or a task option. While the body runs, ``self.lock`` is its
+    :class:`~django_dlock.HeldLock`: ``self.lock.token`` is the fencing token.
+    """
+
+    lock_options: ClassVar[LockOptions] = LockOptions()
+    lock: ClassVar[Any] = _CurrentLock()
+    _key_template: ClassVar[KeyTemplate | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        value = cls.__dict__.get("lock")
+        if not isinstance(value, _CurrentLock):
+            # ``lock={...}`` given to the task decorator lands here as a class
+            # attribute: keep it as options and let ``self.lock`` be the lease.
+            if "lock" in cls.__dict__:
+                delattr(cls, "lock")
+            cls.lock_options = LockOptions.parse(value, cls.__dict__.get("name") or cls.__name__)
+        cls._key_template = None
+        if "run" in cls.__dict__:
+            cls._template()  # a key naming no argument fails where the task is defined
+
+    @classmethod
+    def _template(cls) -> KeyTemplate:
+        template = cls.__dict__.get("_key_template")
+        if template is None:
+            signature, qualname = _run_signature(cls)
+            # Without a key the template only binds arguments for the hash.
+            template = KeyTemplate(cls.lock_options.key or "", signature, qualname)
+            cls._key_template = template
+        return template
+
+    def lock_key(self, args: Any = (), kwargs: Mapping[str, Any] | None = None) -> str:
+        """The lock name for a call with ``args`` and ``kwargs``."""
+        template = self._template()
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        if self.lock_options.key:
+            return template.format(args, kwargs)
+        values = template.arguments(args, kwargs)
+        try:
+            text = json.dumps(values, sort_keys=True, separators=(",", ":"), default=repr)
+        except (TypeError, ValueError):
+            text = repr(sorted(values.items(), key=lambda item: item[0]))
+        return f"{self.name}:{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+
+    # --- running ----------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request_stack.top
+        if request is not None and not request.called_directly:
+            # The worker's tracer (or apply()) pushed this run's request already.
+            return self._locked_call(request, args, kwargs, self.run)
+        return self._locked_call(None, args, kwargs, super().__call__)
+
+    def _locked_call(
+        self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any], call: Callable[..., Any]
+    ) -> Any:
+        key = self.lock_key(args, kwargs)
+        held = None
+        ticket = _ticket(request)
+        if ticket is not None and ticket.get("name") == key:
+            held = self._adopt(ticket)
+        if held is None:
+            held = self._take(key, request, args, kwargs)
+            if held is None:
+                return None
+        task_id = getattr(request, "id", None)
+        token = _running.set((*_running.get(), (self, task_id, held)))
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _running.reset(token)
+            # Here rather than in after_return, which Celery skips for Ignore
+            # and Reject. A release that finds the lease gone is logged, not
+            # raised: the body's work is done, and failing the task now could
+            # make autoretry_for run it again.
+            _release_quietly(held)
+
+    def _adopt(self, ticket: Mapping[str, Any]) -> HeldLock | None:
+        try:
+            backend = locks[ticket["backend"]]
+            return backend.adopt(ticket, ttl=self.lock_options.ttl or backend.default_ttl)
+        except LockLost:
+            logger.info(
+                "The queue lease of %s on %r ran out before the task started; taking it again.",
+                self.name,
+                ticket.get("name"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("Ignoring a malformed lock ticket on %s: %s", self.name, e)
+        return None
+
+    def _take(
+        self, key: str, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> HeldLock | None:
+        """Acquire for this run, or do what ``on_locked`` says (None: skip)."""
+        options = self.lock_options
+        wait = options.on_locked == "wait"
+        try:
+            return locks[options.backend].acquire(
+                key,
+                ttl=options.ttl,
+                timeout=options.timeout if wait else 0,
+                metadata=self._metadata(getattr(request, "id", None), request, "run"),
+            )
+        except LockTimeout as e:
+            if options.on_locked in ("wait", "raise"):
+                raise
+            if options.on_locked == "retry":
+                raise self.retry(exc=e, countdown=options.countdown) from e
+            self._skipped(key, getattr(request, "id", None), "run", args, kwargs)
+            return None
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry()``; in run scope the lease is released before the retry is sent.
+
+        Otherwise the retry could start on another worker before this run has
+        returned, find the lock held by its own earlier attempt and be skipped.
+        In queue scope the lease travels with the retry's message instead.
+        """
+        held = self.lock
+        if held is not None and self.lock_options.scope == "run":
+            _release_quietly(held)
+        return super().retry(*args, **kwargs)
+
+    # --- enqueueing -------------------------------------------------------------------
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        *rest: Any,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``apply_async``; in queue scope, take the lock first (None: skipped)."""
+        lock_options = self.lock_options
+        if lock_options.scope != "queue":
+            return super().apply_async(args, kwargs, task_id, *rest, **options)
+        key = self.lock_key(args, kwargs)
+        task_id = task_id or uuid()
+        backend = locks[lock_options.backend]
+        # The lease covers the wait in the queue; a countdown or eta adds to it.
+        ttl = (lock_options.ttl or backend.default_ttl) + _delay(options)
+        held = self._running_lease(task_id, key)
+        if held is not None:
+            held.extend(ttl)  # a retry of the running task: its lease goes with it
+        else:
+            try:
+                held = backend.acquire(
+                    key,
+                    ttl=ttl,
+                    timeout=lock_options.timeout if lock_options.on_locked == "wait" else 0,
+                    metadata=self._metadata(task_id, None, "queue"),
+                    renew=False,
+                )
+            except LockTimeout:
+                if lock_options.on_locked != "skip":
+                    raise
+                self._skipped(key, task_id, "queue", args, kwargs)
+                return None
+        ticket = held.detach()
+        headers = {**(options.pop("headers", None) or {}), HEADER: ticket}
+        try:
+            return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
+        except BaseException:
+            _release_ticket(ticket)
+            raise
+
+    def _running_lease(self, task_id: str, key: str) -> HeldLock | None:
+        for running, running_id, held in reversed(_running.get()):
+            if running is self and running_id == task_id and held.name == key:
+                return held  # type: ignore[no-any-return]
+        return None
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _metadata(self, task_id: str | None, request: Any, scope: str) -> dict[str, Any]:
+        return {
+            "task_id": task_id,
+            "task_name": self.name,
+            "worker": getattr(request, "hostname", None),
+            "scope": scope,
+        }
+
+    def _skipped(
+        self,
+        key: str,
+        task_id: str | None,
+        scope: str,
+        args: Any,
+        kwargs: Any,
+    ) -> None:
+        alias = self.lock_options.backend
+        logger.info(
+            "Skipped %s[%s]: lock %r on %r is held (%s scope).",
+            self.name,
+            task_id,
+            key,
+            alias,
+            scope,
+        )
+        task_skipped.send(
+            sender=type(self),
+            task=self,
+            task_id=task_id,
+            name=key,
+            backend=alias,
+            scope=scope,
+            args=args,
+            kwargs=kwargs,
+        )
+
+
+def locked_task(*args: Any, **options: Any) -> Any:
+    """``shared_task`` with ``base=LockedTask``: every Celery option passes through.
+
+    Lock options are keywords (``key``, ``ttl``, ``backend``, ``on_locked``,
+    ``scope``, ``timeout``, ``countdown``) or a ``lock={...}`` dict. ``backend``
+    is the lock backend alias; Celery's per-task result backend, which shares
+    the name, is passed as ``result_backend=``. Works bare (``@locked_task``).
+    """
+    lock = dict(options.pop("lock", None) or {})
+    for name in LockOptions.__dataclass_fields__:
+        if name in options:
+            if name in lock:
+                raise TypeError(f"Lock option {name!r} is given twice.")
+            lock[name] = options.pop(name)
+    if "result_backend" in options:
+        options["backend"] = options.pop("result_backend")
+    base = options.setdefault("base", LockedTask)
+    if not (isinstance(base, type) and issubclass(base, LockedTask)):
+        raise TypeError(f"base of a locked task must subclass LockedTask, not {base!r}.")
+
+    def create(fun: Callable[..., Any]) -> Any:
+        task = options.get("name") or f"{fun.__module__}.{fun.__qualname__}"
+        parsed = LockOptions.parse(lock, task)
+        # Fail where the task is defined, not when the app is finalized.
+        signature = inspect.signature(fun)
+        if options.get("bind"):
+            signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+        KeyTemplate(parsed.key or "", signature, fun.__qualname__)
+        return shared_task(lock=parsed, **options)(fun)
+
+    if len(args) == 1 and callable(args[0]):
+        return create(args[0])
+    if args:
+        raise TypeError("locked_task takes keyword options only: @locked_task(key=...).")
+    return create
+
+
+def _ticket(request: Any) -> Mapping[str, Any] | None:
+    """The queue lease's ticket in a request: a header of the message, or eager apply()'s."""
+    if request is None:
+        return None
+    value = getattr(request, HEADER, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(HEADER)
+    return value if isinstance(value, Mapping) else None
+
+
+def _release_quietly(held: HeldLock) -> None:
+    try:
+        held.release()
+    except (LockLost, BackendUnavailable) as e:
+        logger.warning("Releasing %r after its task ran: %s", held, e)
+
+
+def _release_ticket(ticket: Mapping[str, Any]) -> None:
+    try:
+        locks[ticket["backend"]].adopt(ticket, renew=False).release()
+    except LockLost:
+        pass  # ran out or was broken already: nothing is held
+    except Exception:
+        logger.warning("Could not release the queue lease %r", ticket.get("name"), exc_info=True)
+
+
+def _delay(options: Mapping[str, Any]) -> float:
+    """Seconds until a message sent with these options may run (countdown or eta)."""
+    countdown = options.get("countdown")
+    if countdown is not None:
+        return max(float(countdown), 0.0)
+    eta = options.get("eta")
+    if eta is None:
+        return 0.0
+    if isinstance(eta, str):
+        eta = datetime.fromisoformat(eta)
+    if eta.tzinfo is None:
+        eta = eta.replace(tzinfo=timezone.utc)
+    return max((eta - datetime.now(timezone.utc)).total_seconds(), 0.0)
+
+
+@task_revoked.connect  # type: ignore[untyped-decorator]
+def _release_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> None:
+    """A message revoked before it ran gives its queue lease back at once.
+
+    A terminated run is not released here: its process may still be running
+    the body until the signal lands. Its lease runs out within the TTL.
+    """
+    if not isinstance(sender, LockedTask) or kwargs.get("terminated"):
+        return
+    ticket = _ticket(request)
+    if ticket is not None:
+        _release_ticket(ticket)
+
+
+@checks.register()
+def check_visibility_timeout(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """django_dlock.W002: a locked task whose lease may run out before its message is redelivered.
+
+    A broker with a visibility timeout (Redis, SQS) delivers an unacknowledged
+    message again after that long. If the lock has expired by then, a
+    duplicate can be enqueued and both run. Checked for every locked task when
+    ``broker_transport_options`` sets ``visibility_timeout``, and for
+    queue-scope tasks also against the transport's default.
+    """
+    app = current_app
+    options = app.conf.broker_transport_options or {}
+    explicit = options.get("visibility_timeout")
+    scheme = str(app.conf.broker_url or "").split("://", 1)[0].split("+", 1)[0]
+    default = TRANSPORT_VISIBILITY_TIMEOUTS.get(scheme)
+    if explicit is None and default is None:
+        return []
+    try:
+        tasks = dict(app.tasks)
+    except RuntimeError:  # autofinalize=False and not finalized yet
+        return []
+    messages: list[checks.CheckMessage] = []
+    for name, task in sorted(tasks.items()):
+        if not isinstance(task, LockedTask):
+            continue
+        lock_options = task.lock_options
+        visibility = explicit if explicit is not None else default
+        if visibility is None or (explicit is None and lock_options.scope != "queue"):
+            continue
+        ttl = lock_options.ttl
+        if ttl is None:
+            try:
+                ttl = locks[lock_options.backend].default_ttl
+            except Exception:
+                continue  # a broken DLOCK_BACKENDS is reported by its own check
+        if ttl < float(visibility):
+            messages.append(
+                checks.Warning(
+                    f"The lock of task {name!r} lasts {ttl:g}s, less than the broker's "
+                    f"visibility_timeout of {float(visibility):g}s: a message redelivered "
+                    "after the lock ran out can run the task a second time.",
+                    hint="Give the task a lock ttl of at least the visibility_timeout.",
+                    obj=name,
+                    id="django_dlock.W002",
+                )
+            )
+    return messages

@@ -1,0 +1,341 @@
+"""``django_dlock.celery`` in-process: options, keys, eager mode, enqueue failures, checks.
+
+Real workers are in test_celery_worker.py. The tasks lock on the "celery"
+alias (the tests' own redis-server).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from django.core import checks
+
+from django_dlock import LockTimeout, locks
+from django_dlock.celery import HEADER, LockedTask, LockOptions, locked_task
+from django_dlock.signals import task_skipped
+from testproject.celery import app
+from tests import tasks
+from tests.servers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _redis(redis_servers: Any) -> None:
+    """The "celery" lock alias is the tests' own redis-server."""
+
+
+@pytest.fixture
+def eager() -> Iterator[None]:
+    # Not task_eager_propagates: Celery's eager retry needs the Retry caught.
+    saved = app.conf.task_always_eager
+    app.conf.task_always_eager = True
+    yield
+    app.conf.task_always_eager = saved
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> str:
+    return str(tmp_path / "log.jsonl")
+
+
+def held_names(prefix: str) -> list[str]:
+    return [info.name for info in locks["celery"].list(prefix)]
+
+
+# --- options -------------------------------------------------------------------------
+
+
+def test_locked_task_is_a_shared_task_with_locked_task_base() -> None:
+    assert isinstance(tasks.dedup, LockedTask)
+    assert tasks.dedup.name == "tests.tasks.dedup"
+    assert app.tasks["tests.tasks.dedup"] is tasks.dedup._get_current_object()
+    options = tasks.dedup.lock_options
+    assert options == LockOptions(key="dedup:{key}", ttl=30.0, backend="celery")
+    # Celery options pass through.
+    assert tasks.retry_once.max_retries == 3
+    assert tasks.auto_retry.autoretry_for == (ValueError,)
+
+
+def test_app_task_with_base_and_lock_dict() -> None:
+    local = Celery("local-app", set_as_current=False)
+
+    @local.task(base=LockedTask, lock={"key": "sync:{account_id}", "ttl": 60}, shared=False)
+    def sync(account_id: int) -> int:
+        return account_id
+
+    assert sync.lock_options == LockOptions(key="sync:{account_id}", ttl=60.0)
+    assert sync.lock_key((7,), {}) == "sync:7"
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"ttl": 0}, ValueError, "ttl"),
+        ({"on_locked": "ignore"}, ValueError, "on_locked"),
+        ({"scope": "worker"}, ValueError, "scope"),
+        ({"scope": "queue", "on_locked": "retry"}, ValueError, "retry"),
+        ({"timeout": 5}, ValueError, "on_locked='wait'"),
+        ({"countdown": 5}, ValueError, "on_locked='retry'"),
+        ({"on_locked": "retry", "countdown": -1}, ValueError, "countdown"),
+        ({"key": ""}, TypeError, "key"),
+        ({"backend": 3}, TypeError, "alias"),
+        ({"lock": {"ttl": 5}, "ttl": 5}, TypeError, "twice"),
+        ({"key": "x:{missing}"}, ValueError, "missing"),
+    ],
+)
+def test_bad_options_fail_where_the_task_is_defined(
+    options: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+
+        @locked_task(**options)
+        def task(account_id: int) -> None: ...
+
+
+def test_unknown_lock_option_in_a_lock_dict() -> None:
+    with pytest.raises(TypeError, match="Unknown lock options"):
+        LockOptions.parse({"tll": 5}, "my.task")
+
+
+def test_base_must_be_a_locked_task() -> None:
+    from celery import Task
+
+    with pytest.raises(TypeError, match="LockedTask"):
+        locked_task(base=Task)
+
+
+def test_key_template_and_default_key() -> None:
+    assert tasks.dedup.lock_key(("a", "/tmp/x"), {}) == "dedup:a"
+    assert tasks.dedup.lock_key((), {"key": "a", "log": "/tmp/y"}) == "dedup:a"
+    one = tasks.hashed.lock_key((7,), {})
+    # Defaults apply and keyword or positional make no difference.
+    assert one == tasks.hashed.lock_key((), {"account_id": 7, "full": False})
+    assert one.startswith("tests.tasks.hashed:")
+    assert one != tasks.hashed.lock_key((8,), {})
+    assert one != tasks.hashed.lock_key((7, True), {})
+
+
+def test_default_key_is_stable_across_processes() -> None:
+    import subprocess
+    import sys
+
+    code = "import django; django.setup(); from tests import tasks; print(tasks.hashed.lock_key((7,), {}))"
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'testproject'}",
+        "PYTHONHASHSEED": "123",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    assert out.stdout.strip() == tasks.hashed.lock_key((7,), {})
+
+
+# --- eager mode ------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("eager")
+def test_eager_run_holds_the_lock_and_exposes_the_token(log: str) -> None:
+    result = tasks.dedup.delay("e1", log)
+    [event] = tasks.read_log(log)
+    assert result.result == event["token"]
+    assert event["task_id"] == result.id
+    assert held_names("dedup:e1") == []
+
+
+@pytest.mark.usefixtures("eager")
+def test_eager_holder_metadata_names_the_task(log: str, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    seen: list[Any] = []
+    thread = threading.Thread(target=lambda: seen.append(tasks.holder.delay("m", log, str(go))))
+    thread.start()
+    tasks.wait_for_file(log)
+    [info] = locks["celery"].list("holder:m")
+    go.touch()
+    thread.join()
+    assert info.holder["task_name"] == "tests.tasks.holder"
+    assert info.holder["task_id"] == seen[0].id
+    assert info.holder["scope"] == "run"
+    assert info.holder["worker"]  # the eager request's hostname
+    assert info.token == seen[0].result
+
+
+@pytest.mark.usefixtures("eager")
+def test_eager_duplicate_is_skipped_with_a_signal(log: str, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    first = threading.Thread(target=tasks.dedup.delay, args=("e2", log, str(go)))
+    first.start()
+    tasks.wait_for_file(log)
+    skipped: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        skipped.append(kwargs)
+
+    task_skipped.connect(receiver)
+    try:
+        duplicate = tasks.dedup.delay("e2", log)
+    finally:
+        task_skipped.disconnect(receiver)
+        go.touch()
+        first.join()
+    assert duplicate.result is None
+    assert len(tasks.read_log(log)) == 1
+    [signal] = skipped
+    assert (signal["name"], signal["backend"], signal["scope"]) == ("dedup:e2", "celery", "run")
+    assert signal["task_id"] == duplicate.id
+    assert signal["sender"] is type(tasks.dedup._get_current_object())
+
+
+@pytest.mark.usefixtures("eager")
+@pytest.mark.parametrize("how", ["ok", "fail", "ignore", "reject"])
+def test_eager_lock_is_released_however_the_body_ends(how: str) -> None:
+    result = tasks.outcome.delay(f"e-{how}", how)
+    assert result.successful() == (how == "ok")
+    assert held_names(f"outcome:e-{how}") == []
+
+
+def test_direct_call_takes_the_lock_too(log: str) -> None:
+    assert tasks.dedup("direct", log) == tasks.read_log(log)[0]["token"]
+    assert held_names("dedup:direct") == []
+
+
+@pytest.mark.usefixtures("eager")
+def test_eager_on_locked_raise_and_wait(log: str, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    first = threading.Thread(target=tasks.raising.delay, args=("e3", log, str(go)))
+    first.start()
+    tasks.wait_for_file(log)
+    try:
+        refused = tasks.raising.delay("e3", log)
+        assert refused.failed() and isinstance(refused.result, LockTimeout)
+    finally:
+        go.touch()
+        first.join()
+
+    go2 = tmp_path / "go2"
+    log2 = str(tmp_path / "log2.jsonl")
+    first = threading.Thread(target=tasks.waiting.delay, args=("e4", log2, str(go2)))
+    first.start()
+    tasks.wait_for_file(log2)
+    threading.Timer(0.3, go2.touch).start()
+    second = tasks.waiting.delay("e4", log2)  # waits for the first, then runs
+    first.join()
+    tokens = [event["token"] for event in tasks.read_log(log2)]
+    assert len(tokens) == 2 and tokens[0] < tokens[1] == second.result
+
+
+@pytest.mark.usefixtures("eager")
+def test_eager_retry_is_not_a_duplicate_of_itself(log: str) -> None:
+    for task in (tasks.retry_once, tasks.retry_once_queued, tasks.auto_retry):
+        path = f"{log}.{task.name}"
+        assert task.delay("e5", path).result == 1
+        assert [event["retries"] for event in tasks.read_log(path)] == [0, 1]
+    assert held_names("retry:e5") == held_names("retry-q:e5") == held_names("auto:e5") == []
+
+
+@pytest.mark.usefixtures("eager")
+def test_eager_queue_scope_carries_the_lease_into_the_run(log: str) -> None:
+    result = tasks.dedup_queued.delay("e6", log)
+    [event] = tasks.read_log(log)
+    assert result.result == event["token"]
+    assert held_names("dedup-q:e6") == []
+
+
+# --- queue scope without a worker ------------------------------------------------------
+
+
+def test_queue_lease_is_released_when_apply_async_fails() -> None:
+    unreachable = Celery(
+        "unreachable", broker=f"redis://127.0.0.1:{free_port()}/0", set_as_current=False
+    )
+    lock_options = {"key": "unsent:{x}", "scope": "queue", "backend": "celery"}
+
+    @unreachable.task(base=LockedTask, lock=lock_options, shared=False)
+    def send_me(x: int) -> int:
+        return x
+
+    with pytest.raises(Exception) as excinfo:  # kombu's OperationalError
+        send_me.apply_async((1,), retry=False)
+    assert not isinstance(excinfo.value, LockTimeout)
+    assert "unsent:1" in str(excinfo.value) or held_names("unsent:1") == []
+    assert held_names("unsent:1") == []
+
+
+def test_queue_scope_duplicate_is_not_sent(log: str) -> None:
+    # The memory transport keeps the messages in this process: nothing runs them.
+    with app.connection_for_write() as conn:
+        queue = conn.SimpleQueue(app.conf.task_default_queue)
+        queue.clear()
+        skipped: list[dict[str, Any]] = []
+
+        def receiver(**kwargs: Any) -> None:
+            skipped.append(kwargs)
+
+        task_skipped.connect(receiver)
+        try:
+            results = [tasks.dedup_queued.delay(f"q{i % 2}", log) for i in range(6)]
+        finally:
+            task_skipped.disconnect(receiver)
+        sent = [r for r in results if r is not None]
+        assert len(sent) == 2 and len(skipped) == 4
+        assert {s["scope"] for s in skipped} == {"queue"}
+        assert queue.qsize() == 2
+        messages = [queue.get(timeout=1) for _ in range(2)]
+        for message, result in zip(messages, sent, strict=True):
+            ticket = message.headers[HEADER]
+            assert message.headers["id"] == result.id
+            [info] = locks["celery"].list(ticket["name"])
+            assert info.token == ticket["token"]
+            assert info.holder["task_id"] == result.id
+            assert info.holder["scope"] == "queue"
+            locks["celery"].adopt(ticket).release()
+            message.ack()
+        queue.close()
+
+
+# --- the visibility_timeout check ------------------------------------------------------
+
+
+@pytest.fixture
+def broker_options() -> Iterator[dict[str, Any]]:
+    saved = app.conf.broker_url, app.conf.broker_transport_options
+    options: dict[str, Any] = {}
+    app.conf.broker_transport_options = options
+    yield options
+    app.conf.broker_url, app.conf.broker_transport_options = saved
+
+
+def w002(messages: list[checks.CheckMessage]) -> dict[str, checks.CheckMessage]:
+    return {str(m.obj): m for m in messages if m.id == "django_dlock.W002"}
+
+
+def test_visibility_timeout_longer_than_a_lock_ttl_warns(broker_options: dict[str, Any]) -> None:
+    broker_options["visibility_timeout"] = 45
+    found = w002(checks.run_checks())
+    # 30 s locks warn (dedup: ttl=30; hashed: the backend's default TTL, 30 s) ...
+    assert "tests.tasks.dedup" in found and "tests.tasks.hashed" in found
+    assert "45s" in found["tests.tasks.dedup"].msg
+    # ... a 60 s one does not.
+    assert "tests.tasks.later" not in found
+    broker_options["visibility_timeout"] = 30
+    assert w002(checks.run_checks()).keys() >= {"tests.tasks.slow"}
+    assert "tests.tasks.dedup" not in w002(checks.run_checks())
+
+
+def test_transport_default_visibility_timeout_applies_to_queue_scope(
+    broker_options: dict[str, Any],
+) -> None:
+    app.conf.broker_url = "redis://127.0.0.1:1/0"  # Redis redelivers after 3600 s by default
+    found = w002(checks.run_checks())
+    assert {"tests.tasks.dedup_queued", "tests.tasks.later"} <= found.keys()
+    assert "tests.tasks.dedup" not in found
+    app.conf.broker_url = "amqp://guest@127.0.0.1//"  # no visibility timeout
+    assert w002(checks.run_checks()) == {}
