@@ -9,8 +9,8 @@ DLOCK_REQUIRE_ALL_BACKENDS=1 (as in CI), which makes that an error.
 import json
 import os
 import shutil
-from collections.abc import Callable
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from testproject.settings import *  # noqa: F403

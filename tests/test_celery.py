@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from celery import Celery
 from django.core import checks
+from testproject.celery import app
 
 from django_dlock import LockTimeout, locks
 from django_dlock.celery import HEADER, LockedTask, LockOptions, locked_task
 from django_dlock.signals import task_skipped
-from testproject.celery import app
 from tests import tasks
 from tests.servers import free_port
 
@@ -126,7 +126,10 @@ def test_default_key_is_stable_across_processes() -> None:
     import subprocess
     import sys
 
-    code = "import django; django.setup(); from tests import tasks; print(tasks.hashed.lock_key((7,), {}))"
+    code = (
+        "import django; django.setup(); from tests import tasks; "
+        "print(tasks.hashed.lock_key((7,), {}))"
+    )
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
