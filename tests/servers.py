@@ -1,16 +1,19 @@
-"""Real redis-server and etcd processes for the tests, on free loopback ports in temp dirs.
+"""Real redis-server, etcd and Celery worker processes for the tests, in temp dirs.
 
 The tests own these processes, so fault tests can stop, kill and restart them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -326,3 +329,63 @@ def make_test_ca(d: Path) -> dict[str, Path]:
         "client_cert": d / "client.crt",
         "client_key": d / "client.key",
     }
+
+
+class CeleryWorker(_ServerProcess):
+    """``celery -A testproject worker`` (prefork) on ``broker``, in its own process group.
+
+    It imports tests.settings like the test process, so its "celery" lock
+    alias is the same server's.
+    """
+
+    def __init__(
+        self, name: str, broker: str, result_backend: str, queue: str, concurrency: int = 6
+    ) -> None:
+        root = Path(__file__).resolve().parent.parent
+        self.name = name
+        self.nodename = f"{name}@{socket.gethostname()}"
+        self.queue = queue
+        self.concurrency = concurrency
+        self.dir = Path(tempfile.mkdtemp(prefix=f"dlock-celery-{name}-"))
+        self.log = self.dir / "worker.log"
+        self.env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "tests.settings",
+            "PYTHONPATH": os.pathsep.join([str(root), str(root / "testproject")]),
+            "CELERY_BROKER_URL": broker,
+            "CELERY_RESULT_BACKEND": result_backend,
+            "DLOCK_TEST_CELERY_QUEUE": queue,
+        }
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> CeleryWorker:
+        self.process = subprocess.Popen(
+            [
+                sys.executable, "-m", "celery", "-A", "testproject", "worker",
+                "-P", "prefork", "-c", str(self.concurrency), "-n", self.nodename,
+                "-Q", self.queue, "-l", "INFO", "--logfile", str(self.log),
+                "--without-gossip", "--without-mingle", "--without-heartbeat",
+            ],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            wait_for(
+                lambda: self.log.exists() and " ready." in self.log.read_text(),
+                60,
+                f"celery worker {self.nodename} (log: {self.log})",
+            )
+        except RuntimeError:
+            self.kill()
+            raise
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker: the main process and its pool children."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=20)
+            self.process = None

@@ -67,7 +67,9 @@ def hashed(account_id: int, full: bool = False) -> str:
 
 
 @locked_task(key="outcome:{key}", backend="celery", bind=True)
-def outcome(self: Any, key: str, how: str) -> int:
+def outcome(self: Any, key: str, how: str, log: str | None = None) -> int:
+    if log:
+        record(log, key=key, token=self.lock.token)
     if how == "fail":
         raise ValueError("the body failed")
     if how == "ignore":
@@ -88,7 +90,12 @@ def waiting(self: Any, key: str, log: str, go: str | None = None) -> int:
 
 
 @locked_task(
-    key="retry-locked:{key}", backend="celery", on_locked="retry", countdown=0.2, bind=True
+    key="retry-locked:{key}",
+    backend="celery",
+    on_locked="retry",
+    countdown=0.2,
+    bind=True,
+    max_retries=10,
 )
 def retry_when_locked(self: Any, key: str, log: str, go: str | None = None) -> int:
     return _body(self, key, log, go)

@@ -1,0 +1,283 @@
+"""``@locked_task`` on real prefork workers, on a Redis broker and on RabbitMQ.
+
+The workers are ``celery -A testproject worker`` processes with 6 pool
+processes; the test process sends the messages and reads the results (on the
+tests' own redis-server) and the lock list. Bodies record each run in a log
+file, so the counts below are bodies that really ran.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.backends.redis import RedisBackend
+from celery.result import AsyncResult
+from django.conf import settings
+from testproject.celery import app
+
+from django_dlock import locks
+from tests import tasks
+from tests.servers import CeleryWorker, port_open
+
+pytestmark = pytest.mark.multiprocess
+
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+DUPLICATES, KEYS = 20, 4
+
+
+class Worker:
+    """A running worker, and how the test process talks to its broker."""
+
+    def __init__(self, process: CeleryWorker, broker: str, results: str) -> None:
+        self.process = process
+        self.broker = broker
+        self.queue = process.queue
+        self.backend = RedisBackend(app=app, url=results)
+        # Remote control through an app of the worker's broker: app.control
+        # would publish through the test app's own (in-memory) producer pool.
+        self.control_app = Celery("control", broker=broker, set_as_current=False)
+
+    def send(self, task: Any, *args: Any, queue: str | None = None, **options: Any) -> Any:
+        with app.connection_for_write(self.broker) as conn, conn.Producer() as producer:
+            return task.apply_async(args, producer=producer, queue=queue or self.queue, **options)
+
+    def result(self, sent: Any) -> AsyncResult:
+        return AsyncResult(sent.id, backend=self.backend, app=app)
+
+    def get(self, sent: Any, timeout: float = 60) -> Any:
+        return self.result(sent).get(timeout=timeout, disable_sync_subtasks=False)
+
+    def control(self, method: str, **kwargs: Any) -> Any:
+        replies = getattr(self.control_app.control, method)(
+            destination=[self.process.nodename], reply=True, timeout=10, **kwargs
+        )
+        assert replies, f"{self.process.nodename} did not answer {method}"
+        return replies
+
+    def queue_size(self, queue: str) -> int:
+        with app.connection_for_write(self.broker) as conn:
+            simple = conn.SimpleQueue(queue)
+            try:
+                return int(simple.qsize())
+            finally:
+                simple.close()
+
+
+def start_worker(name: str, broker: str) -> tuple[CeleryWorker, str]:
+    port = settings.REDIS_PORTS["single"]
+    results = f"redis://127.0.0.1:{port}/2"
+    queue = f"dlock-{name}-{uuid.uuid4().hex[:8]}"
+    return CeleryWorker(name, broker, results, queue).start(), results
+
+
+@pytest.fixture(scope="module")
+def redis_worker(redis_servers: Any) -> Iterator[Worker]:
+    broker = f"redis://127.0.0.1:{settings.REDIS_PORTS['single']}/1"
+    process, results = start_worker("redis-broker", broker)
+    yield Worker(process, broker, results)
+    process.cleanup()
+
+
+@pytest.fixture(scope="module")
+def rabbitmq_worker(redis_servers: Any) -> Iterator[Worker]:
+    if not port_open("127.0.0.1", 5672):
+        if settings.REQUIRE_ALL:
+            pytest.fail("DLOCK_REQUIRE_ALL_BACKENDS=1 but RabbitMQ is not on 127.0.0.1:5672")
+        pytest.skip("RabbitMQ is not reachable on 127.0.0.1:5672")
+    process, results = start_worker("rabbitmq-broker", RABBITMQ)
+    yield Worker(process, RABBITMQ, results)
+    process.cleanup()
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def worker(request: pytest.FixtureRequest) -> Worker:
+    return request.getfixturevalue(f"{request.param}_worker")  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> str:
+    return str(tmp_path / "log.jsonl")
+
+
+def held(prefix: str) -> list[Any]:
+    return locks["celery"].list(prefix)
+
+
+def eventually(predicate: Callable[[], bool], limit: float, what: str) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {limit}s: {what}")
+        time.sleep(0.05)
+
+
+# --- duplicates --------------------------------------------------------------------------
+
+
+def test_duplicates_run_once_per_key_in_run_scope(
+    worker: Worker, log: str, tmp_path: Path
+) -> None:
+    go = tmp_path / "go"
+    run = uuid.uuid4().hex[:6]
+    keys = [f"{run}-{i % KEYS}" for i in range(DUPLICATES)]
+    sent = [worker.send(tasks.dedup, key, log, str(go)) for key in keys]
+    # The first body of each key holds its lock until `go`; the other 16
+    # calls are processed meanwhile and skipped.
+    results = [worker.result(s) for s in sent]
+    eventually(
+        lambda: sum(r.ready() for r in results) == DUPLICATES - KEYS, 60, "16 skipped calls"
+    )
+    assert all(r.result is None for r in results if r.ready())
+    go.touch()
+    tokens = [worker.get(s) for s in sent]
+    events = tasks.read_log(log)
+    assert len(events) == KEYS
+    assert sorted(e["key"] for e in events) == sorted(set(keys))
+    assert sorted(t for t in tokens if t is not None) == sorted(e["token"] for e in events)
+    assert held(f"dedup:{run}") == []
+
+
+def test_queue_scope_enqueues_once_per_key(worker: Worker, log: str) -> None:
+    run = uuid.uuid4().hex[:6]
+    parked = f"{worker.queue}-parked"  # no worker consumes it yet: count what was enqueued
+    keys = [f"{run}-{i % KEYS}" for i in range(DUPLICATES)]
+    sent = [worker.send(tasks.dedup_queued, key, log, queue=parked) for key in keys]
+    enqueued = [s for s in sent if s is not None]
+    assert len(enqueued) == KEYS
+    assert worker.queue_size(parked) == KEYS
+    assert sorted(i.name for i in held(f"dedup-q:{run}")) == sorted(
+        f"dedup-q:{k}" for k in set(keys)
+    )
+    worker.control("add_consumer", queue=parked)
+    try:
+        tokens = [worker.get(s) for s in enqueued]
+    finally:
+        worker.control("cancel_consumer", queue=parked)
+    events = tasks.read_log(log)
+    assert len(events) == KEYS
+    assert sorted(tokens) == sorted(e["token"] for e in events)
+    eventually(lambda: held(f"dedup-q:{run}") == [], 10, "queue leases released")
+
+
+# --- lifecycle (Redis broker) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["ok", "fail", "ignore", "reject"])
+def test_lock_is_released_however_the_body_ends(redis_worker: Worker, log: str, how: str) -> None:
+    key = f"{how}-{uuid.uuid4().hex[:6]}"
+    redis_worker.send(tasks.outcome, key, how, log)
+    eventually(lambda: len(tasks.read_log(log)) == 1, 30, "the body ran")
+    # Well within the 30 s TTL: released, not expired.
+    eventually(lambda: held(f"outcome:{key}") == [], 5, "the lock released")
+
+
+@pytest.mark.parametrize(
+    "task",
+    [tasks.retry_once, tasks.retry_once_queued, tasks.auto_retry, tasks.auto_retry_queued],
+    ids=["retry", "retry-queue-scope", "autoretry", "autoretry-queue-scope"],
+)
+def test_a_retry_is_not_a_duplicate_of_itself(redis_worker: Worker, log: str, task: Any) -> None:
+    key = uuid.uuid4().hex[:6]
+    sent = redis_worker.send(task, key, log)
+    assert redis_worker.get(sent) == 1
+    events = tasks.read_log(log)
+    assert [e["retries"] for e in events] == [0, 1]
+    assert events[0]["token"] < events[1]["token"] or task.lock_options.scope == "queue"
+    if task.lock_options.scope == "queue":
+        # The lease went with the retry's message: one token throughout.
+        assert events[0]["token"] == events[1]["token"]
+    eventually(lambda: held(f"{task.lock_options.key.split(':')[0]}:{key}") == [], 5, "released")
+
+
+def test_on_locked_retry_runs_once_the_holder_is_done(
+    redis_worker: Worker, log: str, tmp_path: Path
+) -> None:
+    go = tmp_path / "go"
+    key = uuid.uuid4().hex[:6]
+    first = redis_worker.send(tasks.retry_when_locked, key, log, str(go))
+    eventually(lambda: len(tasks.read_log(log)) == 1, 30, "the first body holds the lock")
+    second = redis_worker.send(tasks.retry_when_locked, key, log)
+    eventually(lambda: redis_worker.result(second).state == "RETRY", 30, "the second retries")
+    go.touch()
+    assert redis_worker.get(second) > redis_worker.get(first)
+    assert len(tasks.read_log(log)) == 2
+
+
+def test_holder_metadata_names_task_and_worker(
+    redis_worker: Worker, log: str, tmp_path: Path
+) -> None:
+    go = tmp_path / "go"
+    key = uuid.uuid4().hex[:6]
+    sent = redis_worker.send(tasks.holder, key, log, str(go))
+    eventually(lambda: len(tasks.read_log(log)) == 1, 30, "the body holds the lock")
+    [info] = held(f"holder:{key}")
+    go.touch()
+    assert info.holder["task_id"] == sent.id
+    assert info.holder["task_name"] == "tests.tasks.holder"
+    assert info.holder["worker"] == redis_worker.process.nodename
+    assert info.holder["pid"] == tasks.read_log(log)[0]["pid"]
+    assert redis_worker.get(sent) == info.token
+
+
+def test_a_revoked_message_gives_its_queue_lease_back(redis_worker: Worker) -> None:
+    key = uuid.uuid4().hex[:6]
+    sent = redis_worker.send(tasks.later, key, countdown=2)
+    [info] = held(f"later:{key}")
+    assert info.holder["task_id"] == sent.id
+    redis_worker.control("revoke", task_id=sent.id)
+    # The lease would last 62 s; the worker discards the message when it is due.
+    eventually(lambda: held(f"later:{key}") == [], 20, "the revoked message's lease released")
+    assert redis_worker.result(sent).state == "REVOKED"
+
+
+def _slow_run(worker: Worker, log: str) -> tuple[str, int]:
+    key = uuid.uuid4().hex[:6]
+    sent = worker.send(tasks.slow, key, log, 60)
+    eventually(lambda: len(tasks.read_log(log)) == 1, 30, "the slow body started")
+    assert [i.name for i in held(f"slow:{key}")] == [f"slow:{key}"]
+    return key, tasks.read_log(log)[0]["pid"]
+
+
+def _freed_within_ttl(key: str, since: float) -> None:
+    ttl = tasks.slow.lock_options.ttl
+    time.sleep(max(0.0, since + ttl + 1 - time.monotonic()))
+    assert held(f"slow:{key}") == []
+
+
+def test_a_terminated_task_does_not_hold_its_lock_past_the_ttl(
+    redis_worker: Worker, log: str
+) -> None:
+    key, _ = _slow_run(redis_worker, log)
+    sent_id = next(e["task_id"] for e in tasks.read_log(log))
+    redis_worker.control("revoke", task_id=sent_id, terminate=True, signal="SIGKILL")
+    _freed_within_ttl(key, time.monotonic())
+
+
+def test_a_pool_process_killed_mid_task_frees_the_lock_within_ttl(
+    redis_worker: Worker, log: str
+) -> None:
+    key, pid = _slow_run(redis_worker, log)
+    os.kill(pid, signal.SIGKILL)
+    _freed_within_ttl(key, time.monotonic())
+
+
+def test_a_whole_worker_killed_mid_task_frees_the_lock_within_ttl(
+    redis_servers: Any, log: str
+) -> None:
+    broker = f"redis://127.0.0.1:{settings.REDIS_PORTS['single']}/3"
+    process, results = start_worker("killed", broker)
+    try:
+        worker = Worker(process, broker, results)
+        key, _ = _slow_run(worker, log)
+        process.kill()
+        _freed_within_ttl(key, time.monotonic())
+    finally:
+        process.cleanup()
