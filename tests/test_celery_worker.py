@@ -240,7 +240,7 @@ def test_a_revoked_message_gives_its_queue_lease_back(redis_worker: Worker) -> N
 
 def _slow_run(worker: Worker, log: str) -> tuple[str, int]:
     key = uuid.uuid4().hex[:6]
-    sent = worker.send(tasks.slow, key, log, 60)
+    worker.send(tasks.slow, key, log, 60)
     eventually(lambda: len(tasks.read_log(log)) == 1, 30, "the slow body started")
     assert [i.name for i in held(f"slow:{key}")] == [f"slow:{key}"]
     return key, tasks.read_log(log)[0]["pid"]
