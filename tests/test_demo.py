@@ -18,7 +18,10 @@ def test_demo_runs_on_the_zero_config_default(tmp_path: Path) -> None:
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "testproject.settings",
         "DLOCK_DEMO_DB": str(tmp_path / "demo.sqlite3"),
+        "DLOCK_CELERY_DATA": str(tmp_path / "celery"),
     }
+    for variable in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+        env.pop(variable, None)
     manage = [sys.executable, str(ROOT / "testproject" / "manage.py")]
     subprocess.run([*manage, "migrate", "--noinput", "-v0"], env=env, check=True)
     result = subprocess.run(
@@ -37,3 +40,10 @@ def test_demo_runs_on_the_zero_config_default(tmp_path: Path) -> None:
     assert "regenerating PDF" in out and "nightly report" in out
     assert "(no locks held)" in out
     assert "acquired after" in out and "yes)" in out
+    # The Celery act: a real worker, 8 duplicates per key, one body per key.
+    for account in (1, 2, 3):
+        assert f"report:{account}  ran 1 (token" in out
+        assert "skipped 7  ok" in out
+        assert f"sync:{account}  scope='queue': 8 calls enqueued 1 message(s)" in out
+    assert "demo.tasks.build_report[" in out and " on demo@" in out
+    assert out.rstrip().endswith("(no locks held)")

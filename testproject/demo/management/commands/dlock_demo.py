@@ -10,6 +10,9 @@ this is the zero-config default: the database backend on SQLite, no servers.
    attempt failing and prints the table of held locks.
 3. One holder is killed with SIGKILL; its lease expires and the parent takes
    the lock over: no stuck lock.
+4. A real Celery worker (prefork, on kombu's filesystem transport: no broker
+   server) gets many duplicate ``@locked_task`` calls; the parent shows the
+   held locks while the first calls run, then how many ran and were skipped.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +52,8 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--workers", type=int, default=4)
         parser.add_argument("--rounds", type=int, default=3)
+        parser.add_argument("--duplicates", type=int, default=8, help="calls per Celery key")
+        parser.add_argument("--no-celery", action="store_true", help="skip the Celery act")
         parser.add_argument("--worker", type=int, help=argparse_hidden())
         parser.add_argument("--hold", help=argparse_hidden())
         parser.add_argument("--ttl", type=float, default=10.0, help=argparse_hidden())
@@ -69,6 +75,8 @@ class Command(BaseCommand):
         self.contend(options["workers"], options["rounds"])
         self.table_while_held()
         self.killed_holder()
+        if not options["no_celery"]:
+            self.celery(options["duplicates"])
 
     # --- child processes ------------------------------------------------------------
 
@@ -185,6 +193,71 @@ class Command(BaseCommand):
                 f"{self.style.SUCCESS('yes') if held.token > ready['token'] else 'NO'})"
             )
 
+    def celery(self, duplicates: int) -> None:
+        from demo.tasks import build_report, sync_account
+
+        accounts = [1, 2, 3]
+        self.say(
+            f"\n4. A Celery worker (prefork, 4 processes, filesystem broker) gets "
+            f"{duplicates} duplicate calls for each of accounts {accounts}:"
+        )
+        data = Path(settings.CELERY_DATA_DIR)
+        shutil.rmtree(data, ignore_errors=True)
+        (data / "queue").mkdir(parents=True)
+        (data / "results").mkdir()
+        logfile = data / "worker.log"
+        worker = subprocess.Popen(
+            [
+                sys.executable, "-m", "celery", "-A", "testproject", "worker",
+                "-P", "prefork", "-c", "4", "-n", "demo@%h", "-l", "INFO",
+                "--logfile", str(logfile),
+                "--without-gossip", "--without-mingle", "--without-heartbeat",
+            ],
+            cwd=settings.BASE_DIR,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while not (logfile.exists() and " ready." in logfile.read_text()):
+                if worker.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the Celery worker did not start; see {logfile}")
+                time.sleep(0.1)
+            self.say(f"  worker {worker.pid} ready")
+            calls = [(a, build_report.delay(a)) for _ in range(duplicates) for a in accounts]
+            time.sleep(1.0)
+            self.say("  while the first calls run, the held locks:")
+            self.print_table()
+            ran: dict[int, list[int]] = defaultdict(list)
+            skipped: dict[int, int] = defaultdict(int)
+            for account, result in calls:
+                value = result.get(timeout=60)
+                if value is None:
+                    skipped[account] += 1
+                else:
+                    ran[account].append(value["token"])
+            for account in accounts:
+                verdict = self.style.SUCCESS("ok") if len(ran[account]) == 1 else "duplicates!"
+                self.say(
+                    f"  report:{account}  ran {len(ran[account])} (token "
+                    f"{', '.join(map(str, ran[account]))}), skipped {skipped[account]}  "
+                    f"{verdict}"
+                )
+            queued = [(a, sync_account.delay(a)) for _ in range(duplicates) for a in accounts]
+            for account in accounts:
+                sent = [r for a, r in queued if a == account and r is not None]
+                for result in sent:
+                    result.get(timeout=60)
+                self.say(
+                    f"  sync:{account}  scope='queue': {duplicates} calls enqueued "
+                    f"{len(sent)} message(s), {duplicates - len(sent)} refused at enqueue"
+                )
+        finally:
+            worker.terminate()
+            worker.wait(timeout=60)
+        self.say("  worker stopped; the locks left:")
+        self.print_table()
+
     # --- output ---------------------------------------------------------------------
 
     def print_table(self) -> None:
@@ -202,7 +275,7 @@ class Command(BaseCommand):
                         holder,
                         f"{held_for:.1f}s",
                         f"{info.expires_in:.1f}s",
-                        str(info.holder.get("note", "")),
+                        str(info.holder.get("note") or _task_note(info.holder)),
                     )
                 )
         if len(rows) == 1:
@@ -219,6 +292,13 @@ class Command(BaseCommand):
     def say(self, text: str) -> None:
         self.stdout.write(text)
         self.stdout.flush()
+
+
+def _task_note(holder: dict[str, Any]) -> str:
+    if not holder.get("task_name"):
+        return ""
+    where = f" on {holder['worker']}" if holder.get("worker") else " (queued)"
+    return f"{holder['task_name']}[{str(holder.get('task_id'))[:8]}]{where}"
 
 
 def argparse_hidden() -> str:
