@@ -3,7 +3,7 @@
 #   - headers to build mysqlclient (the MariaDB/MySQL driver Django supports);
 #   - redis-server and redis-cli, which the Redis tests run themselves;
 #   - etcd and etcdctl, which the etcd tests run themselves;
-#   - PostgreSQL and MariaDB answering on loopback.
+#   - PostgreSQL, MariaDB and RabbitMQ answering on loopback.
 # Idempotent: on a machine that has everything it only checks.
 set -euo pipefail
 
@@ -41,6 +41,12 @@ if ! port_open 5432 && command -v pg_ctlcluster >/dev/null; then
     echo "system-deps: starting PostgreSQL"
     pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start
     wait_port 5432
+fi
+# The Celery worker tests run a worker on RabbitMQ too (guest/guest on loopback).
+if ! port_open 5672 && command -v rabbitmq-server >/dev/null; then
+    echo "system-deps: starting RabbitMQ"
+    rabbitmq-server -detached
+    wait_port 5672
 fi
 if ! port_open 3306 && [[ -x /usr/sbin/mariadbd ]]; then
     echo "system-deps: starting MariaDB"
