@@ -342,3 +342,31 @@ def test_transport_default_visibility_timeout_applies_to_queue_scope(
     assert "tests.tasks.dedup" not in found
     app.conf.broker_url = "amqp://guest@127.0.0.1//"  # no visibility timeout
     assert w002(checks.run_checks()) == {}
+
+
+def test_queue_scope_run_without_a_ticket_takes_the_lock(log: str) -> None:
+    # apply() (like a message sent by name) bypasses apply_async: no ticket.
+    result = tasks.dedup_queued.apply(("no-ticket", log))
+    [event] = tasks.read_log(log)
+    assert result.result == event["token"]
+    assert held_names("dedup-q:no-ticket") == []
+
+
+def test_a_queue_lease_that_ran_out_is_taken_again_by_the_run(log: str) -> None:
+    held = locks["celery"].acquire("dedup-q:ran-out", ttl=30, renew=False)
+    ticket = held.detach()
+    locks["celery"].break_lock("dedup-q:ran-out")  # as if it had run out in the queue
+    result = tasks.dedup_queued.apply(("ran-out", log), headers={HEADER: ticket})
+    [event] = tasks.read_log(log)
+    assert result.result == event["token"] > ticket["token"]
+    assert held_names("dedup-q:ran-out") == []
+
+
+def test_a_queue_lease_taken_by_another_meanwhile_skips_the_run(log: str) -> None:
+    held = locks["celery"].acquire("dedup-q:taken", ttl=30, renew=False)
+    ticket = held.detach()
+    locks["celery"].break_lock("dedup-q:taken")
+    with locks["celery"].acquire("dedup-q:taken", timeout=0):
+        result = tasks.dedup_queued.apply(("taken", log), headers={HEADER: ticket})
+    assert result.result is None
+    assert tasks.read_log(log) == []
