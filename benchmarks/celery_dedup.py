@@ -52,12 +52,20 @@ def main() -> None:
     redis = RedisServer(free_port()).start()
     url = f"redis://127.0.0.1:{redis.port}"
     os.environ["DLOCK_BENCH_REDIS"] = url
-    worker = CeleryWorker("bench", f"{url}/1", f"{url}/2", queue="celery", concurrency=2)
+    worker = CeleryWorker(
+        "bench",
+        f"{url}/1",
+        f"{url}/2",
+        queue="celery",
+        concurrency=2,
+        app="benchmarks.celery_app",  # not the test project's
+        loglevel="WARNING",
+    )
     worker.env["PYTHONPATH"] = str(ROOT)
-    # The worker runs this app, not the test project's.
-    worker_args = ["-A", "benchmarks.celery_app"]
     try:
-        start_bench_worker(worker, worker_args)
+        from benchmarks.celery_app import app  # configures Django in this process too
+
+        worker.start(ready=lambda: bool(app.control.ping(timeout=0.5)))
         from benchmarks import celery_app
 
         tasks = {name: getattr(celery_app, name) for name in VARIANTS}
@@ -86,30 +94,6 @@ def main() -> None:
     finally:
         worker.cleanup()
         redis.cleanup()
-
-
-def start_bench_worker(worker: CeleryWorker, app_args: list[str]) -> None:
-    import subprocess
-
-    worker.process = subprocess.Popen(
-        [
-            sys.executable, "-m", "celery", *app_args, "worker",
-            "-P", "prefork", "-c", str(worker.concurrency), "-n", worker.nodename,
-            "-l", "WARNING", "--logfile", str(worker.log),
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-        ],
-        env=worker.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    from benchmarks import celery_app  # noqa: F401  (configures Django in this process too)
-    from benchmarks.celery_app import app
-
-    deadline = time.monotonic() + 60
-    while not app.control.ping(timeout=0.5):
-        if time.monotonic() > deadline or worker.process.poll() is not None:
-            raise RuntimeError(f"the benchmark worker did not start; see {worker.log}")
 
 
 def report(latency: dict[str, list[float]], batch: dict[str, list[float]], args: Any) -> None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -339,13 +340,22 @@ class CeleryWorker(_ServerProcess):
     """
 
     def __init__(
-        self, name: str, broker: str, result_backend: str, queue: str, concurrency: int = 6
+        self,
+        name: str,
+        broker: str,
+        result_backend: str,
+        queue: str,
+        concurrency: int = 6,
+        app: str = "testproject",
+        loglevel: str = "INFO",
     ) -> None:
         root = Path(__file__).resolve().parent.parent
         self.name = name
         self.nodename = f"{name}@{socket.gethostname()}"
         self.queue = queue
         self.concurrency = concurrency
+        self.app = app
+        self.loglevel = loglevel
         self.dir = Path(tempfile.mkdtemp(prefix=f"dlock-celery-{name}-"))
         self.log = self.dir / "worker.log"
         self.env = {
@@ -358,12 +368,13 @@ class CeleryWorker(_ServerProcess):
         }
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> CeleryWorker:
+    def start(self, ready: Callable[[], bool] | None = None) -> CeleryWorker:
+        """Start it and wait until ``ready()`` (default: the log at INFO says so)."""
         self.process = subprocess.Popen(
             [
-                sys.executable, "-m", "celery", "-A", "testproject", "worker",
+                sys.executable, "-m", "celery", "-A", self.app, "worker",
                 "-P", "prefork", "-c", str(self.concurrency), "-n", self.nodename,
-                "-Q", self.queue, "-l", "INFO", "--logfile", str(self.log),
+                "-Q", self.queue, "-l", self.loglevel, "--logfile", str(self.log),
                 "--without-gossip", "--without-mingle", "--without-heartbeat",
             ],
             env=self.env,
@@ -373,7 +384,7 @@ class CeleryWorker(_ServerProcess):
         )  # fmt: skip
         try:
             wait_for(
-                lambda: self.log.exists() and " ready." in self.log.read_text(),
+                ready or (lambda: self.log.exists() and " ready." in self.log.read_text()),
                 60,
                 f"celery worker {self.nodename} (log: {self.log})",
             )
