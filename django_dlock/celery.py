@@ -196,12 +196,12 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        value = cls.__dict__.get("lock")
-        if not isinstance(value, _CurrentLock):
+        if "lock" in cls.__dict__:
             # ``lock={...}`` given to the task decorator lands here as a class
             # attribute: keep it as options and let ``self.lock`` be the lease.
-            if "lock" in cls.__dict__:
-                delattr(cls, "lock")
+            # A subclass that gives none keeps its base's options.
+            value = cls.__dict__["lock"]
+            delattr(cls, "lock")
             cls.lock_options = LockOptions.parse(value, cls.__dict__.get("name") or cls.__name__)
         cls._key_template = None
         if "run" in cls.__dict__:

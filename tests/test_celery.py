@@ -74,6 +74,20 @@ def test_app_task_with_base_and_lock_dict() -> None:
     assert sync.lock_key((7,), {}) == "sync:7"
 
 
+def test_a_task_on_a_configured_base_keeps_the_base_lock_options() -> None:
+    class SyncTask(LockedTask):  # type: ignore[misc]
+        lock = {"key": "sync:{account_id}", "ttl": 60, "backend": "celery"}
+
+    local = Celery("local-base", set_as_current=False)
+
+    @local.task(base=SyncTask, shared=False)
+    def sync(account_id: int) -> int:
+        return account_id
+
+    assert sync.lock_options == LockOptions(key="sync:{account_id}", ttl=60.0, backend="celery")
+    assert sync.lock_key((7,), {}) == "sync:7"
+
+
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
