@@ -63,11 +63,9 @@ def main() -> None:
     )
     worker.env["PYTHONPATH"] = str(ROOT)
     try:
-        from benchmarks.celery_app import app  # configures Django in this process too
+        from benchmarks import celery_app  # configures Django in this process too
 
-        worker.start(ready=lambda: bool(app.control.ping(timeout=0.5)))
-        from benchmarks import celery_app
-
+        worker.start(ready=lambda: bool(celery_app.app.control.ping(timeout=0.5)))
         tasks = {name: getattr(celery_app, name) for name in VARIANTS}
         counter = iter(range(10**9))
         # Warm up: connections, the result consumer, every task in the worker.

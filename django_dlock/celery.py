@@ -60,7 +60,7 @@ from kombu.utils.uuid import uuid
 
 from . import conf
 from ._validation import validate_timeout, validate_ttl
-from .exceptions import BackendUnavailable, LockLost, LockTimeout
+from .exceptions import LockLost, LockTimeout
 from .handler import locks
 from .lock import HeldLock, KeyTemplate
 from .signals import task_skipped
@@ -158,28 +158,26 @@ class LockOptions:
 
 
 class _CurrentLock:
-    """``self.lock``: the lease the running task holds here (None when it holds none).
-
-    On the class, ``LockedTask.lock`` is the task's :class:`LockOptions`.
-    """
+    """``self.lock``: the lease the running task holds here (None when it holds none)."""
 
     def __get__(self, task: Task | None, cls: type[LockedTask]) -> Any:
         if task is None:
-            return cls.lock_options
+            return self
         for running, _, held in reversed(_running.get()):
             if running is task:
                 return held
         return None
 
 
-def _run_signature(cls: type[Task]) -> tuple[inspect.Signature, str]:
-    """The signature callers use: ``bind=True`` tasks and ``def run(self, ...)`` drop ``self``."""
-    run = inspect.getattr_static(cls, "run")
-    if isinstance(run, staticmethod):
-        return inspect.signature(run.__func__), run.__func__.__qualname__
-    signature = inspect.signature(run)
-    params = list(signature.parameters.values())[1:]
-    return signature.replace(parameters=params), run.__qualname__
+def _caller_template(key: str | None, func: Callable[..., Any], bound: bool) -> KeyTemplate:
+    """``key`` over the arguments callers pass: a bound ``func`` drops its ``self``.
+
+    Without a key the template only binds the arguments, for the default key's hash.
+    """
+    signature = inspect.signature(func)
+    if bound:
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return KeyTemplate(key or "", signature, func.__qualname__)
 
 
 class LockedTask(Task):  # type: ignore[misc]
@@ -211,9 +209,13 @@ class LockedTask(Task):  # type: ignore[misc]
     def _template(cls) -> KeyTemplate:
         template = cls.__dict__.get("_key_template")
         if template is None:
-            signature, qualname = _run_signature(cls)
-            # Without a key the template only binds arguments for the hash.
-            template = KeyTemplate(cls.lock_options.key or "", signature, qualname)
+            # ``bind=True`` tasks and ``def run(self, ...)`` are bound; Celery
+            # makes the others' ``run`` a staticmethod.
+            run = inspect.getattr_static(cls, "run")
+            bound = not isinstance(run, staticmethod)
+            template = _caller_template(
+                cls.lock_options.key, run if bound else run.__func__, bound
+            )
             cls._key_template = template
         return template
 
@@ -248,7 +250,8 @@ class LockedTask(Task):  # type: ignore[misc]
         if ticket is not None and ticket.get("name") == key:
             held = self._adopt(ticket)
         if held is None:
-            held = self._take(key, request, args, kwargs)
+            task_id = getattr(request, "id", None)
+            held = self._acquire(key, self.lock_options.ttl, True, task_id, request, args, kwargs)
             if held is None:
                 return None
         task_id = getattr(request, "id", None)
@@ -261,7 +264,7 @@ class LockedTask(Task):  # type: ignore[misc]
             # and Reject. A release that finds the lease gone is logged, not
             # raised: the body's work is done, and failing the task now could
             # make autoretry_for run it again.
-            _release_quietly(held)
+            held._release_quietly()
 
     def _adopt(self, ticket: Mapping[str, Any]) -> HeldLock | None:
         try:
@@ -277,25 +280,36 @@ class LockedTask(Task):  # type: ignore[misc]
             logger.warning("Ignoring a malformed lock ticket on %s: %s", self.name, e)
         return None
 
-    def _take(
-        self, key: str, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    def _acquire(
+        self,
+        key: str,
+        ttl: float | None,
+        renew: bool,
+        task_id: str | None,
+        request: Any,
+        args: Any,
+        kwargs: Any,
     ) -> HeldLock | None:
-        """Acquire for this run, or do what ``on_locked`` says (None: skip)."""
+        """Acquire for a run (``renew``) or a message, else do what ``on_locked`` says.
+
+        None: the call is skipped.
+        """
         options = self.lock_options
-        wait = options.on_locked == "wait"
+        scope = "run" if renew else "queue"
         try:
             return locks[options.backend].acquire(
                 key,
-                ttl=options.ttl,
-                timeout=options.timeout if wait else 0,
-                metadata=self._metadata(getattr(request, "id", None), request, "run"),
+                ttl=ttl,
+                timeout=options.timeout if options.on_locked == "wait" else 0,
+                metadata=self._metadata(task_id, request, scope),
+                renew=renew,
             )
         except LockTimeout as e:
             if options.on_locked in ("wait", "raise"):
                 raise
-            if options.on_locked == "retry":
+            if options.on_locked == "retry":  # run scope only: LockOptions refuses it in queue
                 raise self.retry(exc=e, countdown=options.countdown) from e
-            self._skipped(key, getattr(request, "id", None), "run", args, kwargs)
+            self._skipped(key, task_id, scope, args, kwargs)
             return None
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
@@ -307,7 +321,7 @@ class LockedTask(Task):  # type: ignore[misc]
         """
         held = self.lock
         if held is not None and self.lock_options.scope == "run":
-            _release_quietly(held)
+            held._release_quietly()
         return super().retry(*args, **kwargs)
 
     # --- enqueueing -------------------------------------------------------------------
@@ -333,18 +347,9 @@ class LockedTask(Task):  # type: ignore[misc]
         if held is not None:
             held.extend(ttl)  # a retry of the running task: its lease goes with it
         else:
-            try:
-                held = backend.acquire(
-                    key,
-                    ttl=ttl,
-                    timeout=lock_options.timeout if lock_options.on_locked == "wait" else 0,
-                    metadata=self._metadata(task_id, None, "queue"),
-                    renew=False,
-                )
-            except LockTimeout:
-                if lock_options.on_locked != "skip":
-                    raise
-                self._skipped(key, task_id, "queue", args, kwargs)
+            # Not renewed: if the message is lost, the lease must run out.
+            held = self._acquire(key, ttl, False, task_id, None, args, kwargs)
+            if held is None:
                 return None
         ticket = held.detach()
         headers = {**(options.pop("headers", None) or {}), HEADER: ticket}
@@ -423,10 +428,7 @@ def locked_task(*args: Any, **options: Any) -> Any:
         task = options.get("name") or f"{fun.__module__}.{fun.__qualname__}"
         parsed = LockOptions.parse(lock, task)
         # Fail where the task is defined, not when the app is finalized.
-        signature = inspect.signature(fun)
-        if options.get("bind"):
-            signature = signature.replace(parameters=list(signature.parameters.values())[1:])
-        KeyTemplate(parsed.key or "", signature, fun.__qualname__)
+        _caller_template(parsed.key, fun, bool(options.get("bind")))
         return shared_task(lock=parsed, **options)(fun)
 
     if len(args) == 1 and callable(args[0]):
@@ -444,13 +446,6 @@ def _ticket(request: Any) -> Mapping[str, Any] | None:
     if value is None:
         value = (getattr(request, "headers", None) or {}).get(HEADER)
     return value if isinstance(value, Mapping) else None
-
-
-def _release_quietly(held: HeldLock) -> None:
-    try:
-        held.release()
-    except (LockLost, BackendUnavailable) as e:
-        logger.warning("Releasing %r after its task ran: %s", held, e)
 
 
 def _release_ticket(ticket: Mapping[str, Any]) -> None:
@@ -505,8 +500,10 @@ def check_visibility_timeout(app_configs: Any = None, **kwargs: Any) -> list[che
     options = app.conf.broker_transport_options or {}
     explicit = options.get("visibility_timeout")
     scheme = str(app.conf.broker_url or "").split("://", 1)[0].split("+", 1)[0]
-    default = TRANSPORT_VISIBILITY_TIMEOUTS.get(scheme)
-    if explicit is None and default is None:
+    visibility = (
+        float(explicit) if explicit is not None else TRANSPORT_VISIBILITY_TIMEOUTS.get(scheme)
+    )
+    if visibility is None:
         return []
     try:
         tasks = dict(app.tasks)
@@ -517,8 +514,7 @@ def check_visibility_timeout(app_configs: Any = None, **kwargs: Any) -> list[che
         if not isinstance(task, LockedTask):
             continue
         lock_options = task.lock_options
-        visibility = explicit if explicit is not None else default
-        if visibility is None or (explicit is None and lock_options.scope != "queue"):
+        if explicit is None and lock_options.scope != "queue":
             continue
         ttl = lock_options.ttl
         if ttl is None:
@@ -526,11 +522,11 @@ def check_visibility_timeout(app_configs: Any = None, **kwargs: Any) -> list[che
                 ttl = locks[lock_options.backend].default_ttl
             except Exception:
                 continue  # a broken DLOCK_BACKENDS is reported by its own check
-        if ttl < float(visibility):
+        if ttl < visibility:
             messages.append(
                 checks.Warning(
                     f"The lock of task {name!r} lasts {ttl:g}s, less than the broker's "
-                    f"visibility_timeout of {float(visibility):g}s: a message redelivered "
+                    f"visibility_timeout of {visibility:g}s: a message redelivered "
                     "after the lock ran out can run the task a second time.",
                     hint="Give the task a lock ttl of at least the visibility_timeout.",
                     obj=name,
