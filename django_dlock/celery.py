@@ -450,9 +450,7 @@ def _ticket(request: Any) -> Mapping[str, Any] | None:
 
 def _release_ticket(ticket: Mapping[str, Any]) -> None:
     try:
-        locks[ticket["backend"]].adopt(ticket, renew=False).release()
-    except LockLost:
-        pass  # ran out or was broken already: nothing is held
+        locks[ticket["backend"]].release_ticket(ticket)
     except Exception:
         logger.warning("Could not release the queue lease %r", ticket.get("name"), exc_info=True)
 

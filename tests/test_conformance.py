@@ -515,3 +515,22 @@ def test_adopt_refuses_foreign_and_malformed_tickets(backend: BaseLockBackend, n
         with pytest.raises(ValueError):
             backend.adopt(bad)
     backend.adopt(ticket).release()
+
+
+def test_release_ticket_releases_a_handed_over_lease_once(
+    backend: BaseLockBackend, name: str, short_ttl: float, past_expiry: float
+) -> None:
+    held = backend.acquire(name, ttl=30, timeout=0)
+    ticket = json.loads(json.dumps(held.detach()))
+    assert backend.release_ticket(ticket) is True
+    assert backend.list(name) == []
+    assert backend.release_ticket(ticket) is False
+    with backend.acquire(name, timeout=0) as newer:
+        assert newer.token > held.token
+        assert backend.release_ticket(ticket) is False  # never releases a newer holder
+        newer.ensure()
+    lapsed = backend.acquire(name, ttl=short_ttl).detach()
+    time.sleep(past_expiry)
+    assert backend.release_ticket(lapsed) is False
+    with pytest.raises(ValueError):
+        backend.release_ticket({**ticket, "v": 99})

@@ -35,7 +35,8 @@ single-attempt primitives, as redis-py's ``Lock.acquire`` delegates to
     without releasing it and returns what another process needs to keep it
     (JSON-serializable; the default: nothing, the owner token is enough);
     ``do_adopt`` takes that up before the base class confirms the lease with
-    ``do_extend``.
+    ``do_extend`` (``adopt()``) or releases it with ``do_release``
+    (``release_ticket()``).
 
 Capabilities are declared as class attributes, and the conformance suite
 skips, with the reason, what a backend declares it cannot do.
@@ -216,7 +217,7 @@ class BaseLockBackend:
         return None
 
     def do_adopt(self, name: str, owner: str, state: Any) -> None:
-        """Take up a lease that ``do_detach`` handed over, before ``do_extend`` confirms it."""
+        """Take up a lease that ``do_detach`` handed over, before it is extended or released."""
 
     def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
         """Sleep an exponentially growing, jittered interval, never past the deadline."""
@@ -312,6 +313,31 @@ class BaseLockBackend:
         meantime, and ``ValueError`` for a ticket that is not one of ours or
         names another backend alias.
         """
+        name, owner, token, held_ttl, holder = self._take_up(ticket)
+        ttl = held_ttl if ttl is None else validate_ttl(ttl)
+        sent = time.monotonic()
+        if not self.do_extend(name, owner, ttl):
+            raise LockNotOwned(
+                f"Lock {name!r} (token {token}) on backend {self.alias!r} cannot be adopted: "
+                "its lease ran out or was broken.",
+                name=name,
+                backend=self.alias,
+            )
+        return HeldLock._granted(self, name, owner, token, ttl, sent + ttl, ttl, holder, renew)
+
+    def release_ticket(self, ticket: Mapping[str, Any]) -> bool:
+        """Release a lease that :meth:`HeldLock.detach` handed over, without adopting it.
+
+        For a handover that will not happen (the message carrying the ticket
+        was not sent, or was revoked): one release, owner-checked on the lock
+        service, instead of adopting and then releasing. False if the lease
+        had run out or been broken. Sends no signal: no handle held it here.
+        """
+        name, owner, *_ = self._take_up(ticket)
+        return self.do_release(name, owner)
+
+    def _take_up(self, ticket: Mapping[str, Any]) -> tuple[str, str, int, float, dict[str, Any]]:
+        """Check a ticket and hand its backend state to ``do_adopt``; ValueError if it is bad."""
         if not isinstance(ticket, Mapping) or ticket.get("v") != TICKET_VERSION:
             raise ValueError(f"Not a django-dlock lease ticket: {ticket!r}.")
         if ticket.get("backend") != self.alias:
@@ -327,17 +353,8 @@ class BaseLockBackend:
             raise ValueError(f"Malformed django-dlock lease ticket {ticket!r}: {e}") from e
         if not isinstance(owner, str) or not owner:
             raise ValueError(f"Malformed django-dlock lease ticket {ticket!r}: no owner.")
-        ttl = held_ttl if ttl is None else validate_ttl(ttl)
         self.do_adopt(name, owner, ticket.get("state"))
-        sent = time.monotonic()
-        if not self.do_extend(name, owner, ttl):
-            raise LockNotOwned(
-                f"Lock {name!r} (token {token}) on backend {self.alias!r} cannot be adopted: "
-                "its lease ran out or was broken.",
-                name=name,
-                backend=self.alias,
-            )
-        return HeldLock._granted(self, name, owner, token, ttl, sent + ttl, ttl, holder, renew)
+        return name, owner, token, held_ttl, holder
 
     def drift(self, ttl: float) -> float:
         """Seconds of a ``ttl`` lease that a holder must not count on.
