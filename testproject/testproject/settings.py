@@ -76,6 +76,8 @@ CELERY_BROKER_TRANSPORT_OPTIONS = (
     {
         "data_folder_in": str(CELERY_DATA_DIR / "queue"),
         "data_folder_out": str(CELERY_DATA_DIR / "queue"),
+        # Without it kombu writes its broadcast exchanges to ./control.
+        "control_folder": str(CELERY_DATA_DIR / "control"),
         "polling_interval": 0.1,
     }
     if CELERY_BROKER_URL == "filesystem://"
