@@ -11,7 +11,7 @@ The public API::
 See docs/ for the guarantees each backend gives.
 """
 
-from .backends.base import LockInfo
+from .backends.base import LockInfo, ServerStatus
 from .exceptions import (
     BackendUnavailable,
     DLockError,
@@ -32,6 +32,7 @@ __all__ = [
     "LockLost",
     "LockNotOwned",
     "LockTimeout",
+    "ServerStatus",
     "StaleWrite",
     "lock",
     "locks",

@@ -9,8 +9,10 @@ also pass ``held`` (the :class:`~django_dlock.lock.HeldLock`).
 - ``lock_lost``: a holder found out its lease is gone (renewal refused or
   failed until the lease ran out, or ``ensure()`` saw it gone). Sent once per
   handle, from the thread that noticed: often the watchdog thread.
-- ``lock_broken``: an operator broke a lease with ``break_lock()``; ``token``
-  is None because the breaker does not learn it.
+- ``lock_broken``: an operator broke a lease with ``break_lock()``, the
+  ``locks break`` command or the admin; ``token`` is the fencing token of the
+  lease broken when the breaker named it (the command and the admin always
+  do), else None.
 
 ``task_skipped`` is sent by ``django_dlock.celery`` when a locked task call is
 skipped because its lock is held (``on_locked="skip"``), with ``sender`` = the

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.conf import settings
 
 from django_dlock import (
     DLockError,
@@ -273,6 +275,71 @@ def test_break(backend_alias: str, backend: BaseLockBackend, name: str) -> None:
     assert broken == [name]
     with lock(name, backend=backend_alias, timeout=0) as successor:
         assert successor.token > held.token
+
+
+def test_break_with_a_token_breaks_only_that_lease(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    tokens: list[int | None] = []
+
+    def on_broken(sender: Any, **kwargs: Any) -> None:
+        if kwargs["name"] == name:
+            tokens.append(kwargs["token"])
+
+    first = lock(name, backend=backend_alias).acquire()
+    first.release()
+    second = lock(name, backend=backend_alias).acquire()
+    lock_broken.connect(on_broken)
+    try:
+        # The lease an operator saw has been released and the lock taken again.
+        assert backend.break_lock(name, token=first.token) is False
+        assert backend.break_lock(name, token=second.token + 1) is False
+        second.ensure()
+        assert backend.break_lock(name, token=second.token) is True
+    finally:
+        lock_broken.disconnect(on_broken)
+    assert tokens == [second.token]
+    with pytest.raises(LockLost):
+        second.ensure()
+    assert backend.break_lock(name, token=second.token) is False
+
+
+@pytest.mark.parametrize("token", ["7", 7.0, True])
+def test_break_refuses_a_token_that_is_not_an_int(
+    backend: BaseLockBackend, name: str, token: Any
+) -> None:
+    with pytest.raises(TypeError, match="token must be an int"):
+        backend.break_lock(name, token=token)
+
+
+# What each backend's ping names: the server it reached, and its version.
+PING_VERSIONS = {
+    "locmem": r"^locmem ",
+    "db-sqlite": r"^SQLite 3\.\d+",
+    "db-postgresql": r"^PostgreSQL \d+\.\d+",
+    "db-mysql": r"^(MariaDB|MySQL) \d+\.\d+\.\d+",
+    "redis": r"^Redis \d+\.\d+\.\d+$",
+    "redis-fair": r"^Redis \d+\.\d+\.\d+$",
+    "redis-cluster": r"^Redis \d+\.\d+\.\d+$",
+    "redlock": r"^Redis \d+\.\d+\.\d+$",
+    "etcd": r"^etcd 3\.\d+\.\d+$",
+    "etcd-cluster": r"^etcd 3\.\d+\.\d+$",
+}
+
+
+def test_ping_reports_the_server_and_its_version(
+    backend_alias: str, backend: BaseLockBackend
+) -> None:
+    status = backend.ping()
+    assert status.backend == backend_alias
+    assert re.search(PING_VERSIONS[backend_alias], status.version), status.version
+    assert status.latency >= 0
+    if backend_alias == "redlock":
+        # The test session stops the third master: locking works, ping says so.
+        (warning,) = status.warnings
+        assert f":{settings.REDIS_PORTS['redlock'][2]}/" in warning
+    else:
+        assert status.warnings == ()
 
 
 def test_tokens_strictly_increase(

@@ -290,10 +290,24 @@ def test_password_and_database_in_the_url(name: str) -> None:
             assert held.token > 0
         bad = f"redis://:wrong@127.0.0.1:{server.port}/3"
         with override_settings(DLOCK_BACKENDS={"default": {"BACKEND": REDIS, "LOCATION": bad}}):
-            with pytest.raises(BackendUnavailable):
+            with pytest.raises(BackendUnavailable) as excinfo:
                 lock(name, timeout=0).acquire()
+        # Messages end up in logs and on operators' screens: no password.
+        assert f"redis://:***@127.0.0.1:{server.port}/3" in str(excinfo.value)
+        assert "wrong" not in str(excinfo.value)
     finally:
         server.cleanup()
+
+
+def test_redlock_ping_fails_without_a_quorum(redis_servers: dict[str, Any]) -> None:
+    second = redis_servers["redlock"][1]
+    second.stop()
+    try:
+        with pytest.raises(BackendUnavailable, match="Fewer than 2 of 3 Redlock masters"):
+            locks["redlock"].ping()
+    finally:
+        second.start()
+    assert len(locks["redlock"].ping().warnings) == 1
 
 
 def test_tls_with_rediss_url(tls_files: dict[str, Path], name: str) -> None:

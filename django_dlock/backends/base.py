@@ -20,10 +20,16 @@ single-attempt primitives, as redis-py's ``Lock.acquire`` delegates to
 ``do_release(name, owner)`` / ``do_extend(name, owner, ttl)`` / ``do_check(name, owner)``
     Compare the owner on the server, atomically with the change; return
     whether ``owner`` held a live lease.
-``do_break(name)``
-    Delete the live lease whoever holds it; return whether there was one.
+``do_break(name, token)``
+    Delete the live lease whoever holds it, or only if its fencing token is
+    ``token`` when that is not None; return whether a lease was deleted.
 ``do_list(prefix)``
     The live leases whose names start with ``prefix``.
+``do_ping()``
+    One round trip to the service; return its name and version
+    (``"Redis 7.0.15"``) and warnings about parts of it that did not answer
+    although locking still works (a Redlock master). Raise
+    ``BackendUnavailable`` if it cannot lock.
 ``wait(name, owner, remaining, attempt)``
     Block until the lock may have become free, at most ``remaining`` seconds.
     The default backs off with jitter; backends that can be woken override it.
@@ -109,6 +115,20 @@ class LockInfo:
     acquired_at: datetime
     expires_at: datetime
     expires_in: float
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """What ``locks[alias].ping()`` found: the service answered in ``latency`` seconds.
+
+    ``warnings`` name the parts of it that did not answer although it can
+    still lock (a Redlock master that is down).
+    """
+
+    backend: str
+    version: str
+    latency: float
+    warnings: tuple[str, ...] = ()
 
 
 class BaseLockBackend:
@@ -203,7 +223,10 @@ class BaseLockBackend:
     def do_check(self, name: str, owner: str) -> bool:
         raise NotImplementedError
 
-    def do_break(self, name: str) -> bool:
+    def do_break(self, name: str, token: int | None) -> bool:
+        raise NotImplementedError
+
+    def do_ping(self) -> tuple[str, tuple[str, ...]]:
         raise NotImplementedError
 
     def do_list(self, prefix: str) -> list[LockInfo]:
@@ -381,15 +404,33 @@ class BaseLockBackend:
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}.")
         return sorted(self.do_list(prefix), key=lambda info: info.name)
 
-    def break_lock(self, name: str) -> bool:
+    def break_lock(self, name: str, token: int | None = None) -> bool:
         """Delete the lease on ``name`` whoever holds it; False if nothing was held.
+
+        With ``token``, delete it only if it is still the lease with that
+        fencing token, in one atomic step on the server. An operator who
+        decided to break the lease listed as token 7 must not break the
+        holder who took the lock after 7 was released: t0 the list shows 7,
+        t1 7 is released, t2 B acquires it as 8, t3 the break arrives and,
+        with ``token=7``, leaves 8 alone.
 
         The former holder finds out at its next renewal or ``ensure()``
         (``LockLost``); work it does before then is unprotected, which is why
         writes should be fenced.
         """
         name = validate_name(name)
-        broken = self.do_break(name)
+        if token is not None and (isinstance(token, bool) or not isinstance(token, int)):
+            raise TypeError(f"token must be an int or None, not {type(token).__name__}.")
+        broken = self.do_break(name, token)
         if broken:
-            lock_broken.send(sender=type(self), backend=self.alias, name=name, token=None)
+            lock_broken.send(sender=type(self), backend=self.alias, name=name, token=token)
         return broken
+
+    def ping(self) -> ServerStatus:
+        """One round trip to the lock service: its version and how long the trip took.
+
+        Raises ``BackendUnavailable`` when the service does not answer.
+        """
+        started = time.monotonic()
+        version, warnings = self.do_ping()
+        return ServerStatus(self.alias, version, time.monotonic() - started, warnings)

@@ -74,6 +74,15 @@ _BINARY = {
     "sqlite": "{}",
 }
 
+# The server's version, for `manage.py locks check`.
+_VERSION = {
+    "mysql": (
+        "SELECT CONCAT(IF(LOCATE('MariaDB', VERSION()) > 0, 'MariaDB ', 'MySQL '), VERSION())"
+    ),
+    "postgresql": "SELECT 'PostgreSQL ' || current_setting('server_version')",
+    "sqlite": "SELECT 'SQLite ' || sqlite_version()",
+}
+
 #: Retries of release, extend, check and break when the database is busy.
 BUSY_RETRIES = 6
 
@@ -89,12 +98,18 @@ class _Statements:
     extend: str
     check: str
     break_: str
+    break_token: str
     list: str
+    version: str
 
 
 def _statements(vendor: str, table: str) -> _Statements:
     now = _NOW[vendor]
     binary = _BINARY[vendor]
+    break_ = (
+        f"UPDATE {table} SET owner = NULL, acquired_at_us = NULL, expires_at_us = NULL,"
+        f" holder = '' WHERE digest = %s AND expires_at_us > {now}"
+    )
     columns = "digest, namespace, name, fence, owner, acquired_at_us, expires_at_us, holder"
     if vendor == "mysql":
         # MySQL has no UPDATE ... RETURNING. LAST_INSERT_ID(expr) stores expr for
@@ -162,10 +177,12 @@ def _statements(vendor: str, table: str) -> _Statements:
         # Break whoever holds it.
         # params: digest
         # returns: rowcount 1 if there was a live lease, else 0.
-        break_=(
-            f"UPDATE {table} SET owner = NULL, acquired_at_us = NULL, expires_at_us = NULL,"
-            f" holder = '' WHERE digest = %s AND expires_at_us > {now}"
-        ),
+        break_=break_,
+        # Break the live lease only if it is the one with this fencing token
+        # (the row's fence is the token of its current lease).
+        # params: digest, token
+        # returns: rowcount 1 if that lease was live, else 0.
+        break_token=f"{break_} AND fence = %s",
         # Live leases in a namespace by name prefix, through the expires_at_us
         # index: the rows read are the live leases, not every name ever locked.
         # params: namespace, len(prefix), prefix
@@ -176,6 +193,8 @@ def _statements(vendor: str, table: str) -> _Statements:
             f" AND {binary.format('namespace')} = {binary.format('%s')}"
             f" AND {binary.format('substr(name, 1, %s)')} = {binary.format('%s')}"
         ),
+        # params: none; returns: one row, the server's name and version.
+        version=_VERSION[vendor],
     )
 
 
@@ -326,7 +345,8 @@ class DatabaseBackend(BaseLockBackend):
     ) -> BackendUnavailable:
         from ..models import Lease
 
-        message = f"Database {self.database!r} failed for lock {name!r}: {error}"
+        what = f" for lock {name!r}" if name else ""
+        message = f"Database {self.database!r} failed{what}: {error}"
         try:
             with connection.cursor() as cursor:
                 tables = connection.introspection.table_names(cursor)
@@ -414,8 +434,17 @@ class DatabaseBackend(BaseLockBackend):
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
         return self._rowcount(name, "extend", [_micros(ttl), self._key(name), owner], owner)
 
-    def do_break(self, name: str) -> bool:
-        return self._rowcount(name, "break_", [self._key(name)])
+    def do_break(self, name: str, token: int | None) -> bool:
+        if token is None:
+            return self._rowcount(name, "break_", [self._key(name)])
+        return self._rowcount(name, "break_token", [self._key(name), token])
+
+    def do_ping(self) -> tuple[str, tuple[str, ...]]:
+        def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> str:
+            cursor.execute(sql.version)
+            return str(cursor.fetchone()[0])
+
+        return self._retry_busy("", run), ()
 
     def do_check(self, name: str, owner: str) -> bool:
         def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> bool:

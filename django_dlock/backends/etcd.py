@@ -196,6 +196,7 @@ class _Stubs(NamedTuple):
     lease: Any
     watch: Any
     auth: Any
+    maintenance: Any
 
 
 class _Endpoint:
@@ -232,6 +233,7 @@ class _Endpoint:
                         rpc.LeaseStub(channel),
                         rpc.WatchStub(channel),
                         rpc.AuthStub(channel),
+                        rpc.MaintenanceStub(channel),
                     )
                 stubs = self._stubs
         return stubs
@@ -321,7 +323,7 @@ class _Transport:
     def call(
         self, stub: str, method: str, request: Any, *, ambiguous: list[bool] | None = None
     ) -> Any:
-        """``request`` to ``method`` of stub ``stub`` (kv, lease or auth), with failover."""
+        """``request`` to ``method`` of stub ``stub`` (a field of _Stubs), with failover."""
         return self._retrying(
             lambda stubs, timeout, wait: getattr(getattr(stubs, stub), method)(
                 request, timeout=timeout, metadata=self.metadata, wait_for_ready=wait
@@ -660,8 +662,9 @@ class EtcdBackend(BaseLockBackend):
 
     def _unavailable(self, name: str, error: grpc.RpcError) -> BackendUnavailable:
         details = error.details() if hasattr(error, "details") else str(error)
+        what = f" for lock {name!r}" if name else ""
         return BackendUnavailable(
-            f"etcd at {', '.join(self.endpoints)} failed for lock {name!r} on backend "
+            f"etcd at {', '.join(self.endpoints)} failed{what} on backend "
             f"{self.alias!r}: {error.code().name if hasattr(error, 'code') else ''} {details}",
             name=name,
             backend=self.alias,
@@ -1056,7 +1059,7 @@ class EtcdBackend(BaseLockBackend):
         entry = self.state.entries.get(owner)
         return entry is not None and self._check(name, owner, entry)
 
-    def do_break(self, name: str) -> bool:
+    def do_break(self, name: str, token: int | None) -> bool:
         base, end, _ = self._names(name)
         while True:
             reply = self._call(
@@ -1068,12 +1071,20 @@ class EtcdBackend(BaseLockBackend):
             if not reply.kvs:
                 return False
             kv = reply.kvs[0]
+            if token is not None and kv.create_revision != token:
+                return False  # the holder is not the lease the caller meant
             deleted = self._txn(
                 name, _txn([_created_at(kv.key, kv.create_revision)], [_delete(kv.key)])
             )
             if deleted.succeeded:
                 return True
+            if token is not None:
+                return False  # that lease ended meanwhile
             # That holder released meanwhile; break whoever holds it now.
+
+    def do_ping(self) -> tuple[str, tuple[str, ...]]:
+        reply = self._call("", "maintenance", "Status", rpc.StatusRequest())
+        return f"etcd {reply.version}", ()
 
     def do_list(self, prefix: str) -> list[LockInfo]:
         start = self.root + _escape(prefix)

@@ -105,14 +105,18 @@ class LocMemBackend(BaseLockBackend):
             lease = self._live(self._key(name), time.monotonic())
             return lease is not None and lease.owner == owner
 
-    def do_break(self, name: str) -> bool:
+    def do_break(self, name: str, token: int | None) -> bool:
         key = self._key(name)
         with self._store.cond:
-            if self._live(key, time.monotonic()) is None:
+            lease = self._live(key, time.monotonic())
+            if lease is None or (token is not None and lease.token != token):
                 return False
             del self._store.leases[key]
             self._store.cond.notify_all()
             return True
+
+    def do_ping(self) -> tuple[str, tuple[str, ...]]:
+        return "locmem (this process's memory)", ()
 
     def do_list(self, prefix: str) -> list[LockInfo]:
         infos = []

@@ -56,6 +56,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from django.core import checks
 
@@ -264,12 +265,24 @@ redis.call('zrem', KEYS[3], ARGV[3])
 )
 
 # Break: delete whoever holds it and pass the lock on as RELEASE does.
-# Returns 1 if the lock was held, else 0.
+# ARGV[8] "" breaks any holder; a fencing token breaks only the lease with
+# that token, or with ARGV[9] = "le" (Redlock, where each master numbers a
+# lease on its own and the caller knows the largest) one numbered no higher.
+# Returns 1 if a lease was deleted, else 0.
 BREAK = (
     """
-local held = redis.call('del', KEYS[1])
+local value = redis.call('get', KEYS[1])
+if not value then
+    redis.call('zrem', KEYS[3], ARGV[3])
+    return 0
+end
+if ARGV[8] ~= '' then
+    local token = tonumber(string.match(value, '^[^:]*:(%d+):'))
+    local wanted = tonumber(ARGV[8])
+    if token ~= wanted and not (ARGV[9] == 'le' and token < wanted) then return 0 end
+end
+redis.call('del', KEYS[1])
 redis.call('zrem', KEYS[3], ARGV[3])
-if held == 0 then return 0 end
 """
     + _PASS_ON
 )
@@ -367,6 +380,38 @@ class _Keys:
     queue_deadlines: str
     queue_info: str
     signal_prefix: str
+
+
+def _redacted(location: str) -> str:
+    """``location`` without its password (in the netloc or the query), for messages."""
+    parts = urlsplit(location)
+    if parts.password is not None:
+        host = parts.netloc.rpartition("@")[2]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if any(key == "password" for key, _ in pairs):
+        hidden = [(key, "***" if key == "password" else value) for key, value in pairs]
+        parts = parts._replace(query=urlencode(hidden, safe="*"))
+    if parts.scheme and "://" not in location:
+        return location  # "django-redis:<alias>": no URL, no password
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{parts.scheme}://{parts.netloc}{parts.path}{query}"
+
+
+def _server_version(info: Any) -> str:
+    """``redis_version`` from an INFO reply.
+
+    The reply is raw text from our own connection, or redis-py's parsed dict
+    (a cluster client's is keyed by node).
+    """
+    if isinstance(info, dict):
+        if "redis_version" in info:
+            return str(info["redis_version"])
+        return ", ".join(sorted({_server_version(part) for part in info.values()}))
+    for line in _text(info).splitlines():
+        if line.startswith("redis_version:"):
+            return line.partition(":")[2].strip()
+    return "unknown version"
 
 
 def _ms(seconds: float) -> int:
@@ -607,7 +652,7 @@ class RedisBackend(BaseLockBackend):
                     self._nodes = [
                         _Node(
                             self._client_for(location),
-                            location,
+                            _redacted(location),
                             dedicated=not location.startswith("django-redis:"),
                             retries=0 if self.redlock else 1,
                         )
@@ -625,8 +670,9 @@ class RedisBackend(BaseLockBackend):
                 node.client.close()
 
     def _unavailable(self, name: str, error: Exception, node: _Node) -> BackendUnavailable:
+        what = f" for lock {name!r}" if name else ""
         return BackendUnavailable(
-            f"Redis at {node.label} failed for lock {name!r} on backend {self.alias!r}: {error}",
+            f"Redis at {node.label} failed{what} on backend {self.alias!r}: {error}",
             name=name,
             backend=self.alias,
         )
@@ -779,14 +825,44 @@ class RedisBackend(BaseLockBackend):
             name, lambda node: _bytes(node.command("GET", lock_key) or b"").startswith(mine)
         )
 
-    def do_break(self, name: str) -> bool:
+    def do_break(self, name: str, token: int | None) -> bool:
         k = self._keys(name)
         keys = self._lock_keys(k)
-        args = ["", "", name, "", WAITER_LEASE_MS, k.signal_prefix, ""]
+        wanted = "" if token is None else str(token)
+        compare = "le" if self.redlock else "eq"
+        args = ["", "", name, "", WAITER_LEASE_MS, k.signal_prefix, "", wanted, compare]
         if not self.redlock:
             return bool(self._single(name, lambda node: node.run(node.break_, keys, args)))
+        if token is not None:
+            # The lease numbered `token` is the one whose largest per-master
+            # token it is; unless a master still holds that number, it is gone.
+            values = self._on_each(name, lambda node: node.command("GET", k.lock))
+            if not any(
+                _text(v).split(":", 2)[1] == wanted
+                for v in values
+                if v is not None and not isinstance(v, Exception)
+            ):
+                return False
         results = self._on_each(name, lambda node: node.run(node.break_, keys, args))
         return any(r == 1 for r in results if not isinstance(r, Exception))
+
+    def do_ping(self) -> tuple[str, tuple[str, ...]]:
+        versions: set[str] = set()
+        warnings = []
+        for node in self.nodes:
+            try:
+                versions.add(_server_version(node.command("INFO", "server")))
+            except RedisError as e:
+                if not self.redlock:
+                    raise self._unavailable("", e, node) from e
+                warnings.append(f"Redlock master {node.label} does not answer: {e}")
+        if len(versions) == 0 or len(self.nodes) - len(warnings) < self.quorum:
+            raise BackendUnavailable(
+                f"Fewer than {self.quorum} of {len(self.nodes)} Redlock masters answer on "
+                f"backend {self.alias!r}: {'; '.join(warnings)}",
+                backend=self.alias,
+            )
+        return "Redis " + ", ".join(sorted(versions)), tuple(warnings)
 
     def do_abandon(self, name: str, owner: str) -> None:
         waiter = self._waiter(owner)
