@@ -1,0 +1,136 @@
+"""Who holds what, across backends: what ``manage.py locks`` and the admin show.
+
+Both surfaces list through here, so that they show the same columns, and
+break through :func:`break_holder`, which names the fencing token it saw: a
+lease that was released and taken again since it was listed is left alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from .backends.base import LockInfo
+from .exceptions import DLockError
+from .handler import locks
+
+#: The holder fields shown in their own columns or in the HOLDER column;
+#: ``show`` and the admin's detail list everything else after them.
+HOLDER_FIELDS = ("host", "pid", "thread", "acquired_at", "ttl", "task_name", "task_id")
+
+
+@dataclass
+class Listing:
+    """Live leases on the backends asked, and the backends that did not answer."""
+
+    holders: list[LockInfo] = field(default_factory=list)
+    errors: dict[str, DLockError] = field(default_factory=dict)
+    taken_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+
+
+def aliases(backend: str | None = None) -> list[str]:
+    """``[backend]``, or every configured alias when it is None."""
+    return [backend] if backend is not None else list(locks)
+
+
+def current_holders(backend: str | None = None, prefix: str = "") -> Listing:
+    """Live leases whose names start with ``prefix``, by backend alias, then name."""
+    listing = Listing()
+    for alias in aliases(backend):
+        try:
+            listing.holders.extend(locks[alias].list(prefix))
+        except DLockError as e:
+            listing.errors[alias] = e
+    return listing
+
+
+def find_holders(name: str, backend: str | None = None) -> Listing:
+    """The live lease on ``name`` on each backend that has one."""
+    listing = current_holders(backend, name)
+    listing.holders = [info for info in listing.holders if info.name == name]
+    return listing
+
+
+def break_holder(info: LockInfo) -> bool:
+    """Break the lease ``info`` describes, if it is still that lease (same fencing token)."""
+    return locks[info.backend].break_lock(info.name, token=info.token)
+
+
+def holder_label(holder: dict[str, Any]) -> str:
+    """``host:pid``, then ``task_name[task_id]`` for a Celery task."""
+    label = f"{holder.get('host', '?')}:{holder.get('pid', '?')}"
+    if holder.get("task_name"):
+        label += f" {holder['task_name']}[{holder.get('task_id', '?')}]"
+    return label
+
+
+def held_for(info: LockInfo, now: datetime) -> float:
+    """Seconds since the lease was granted (never negative when clocks disagree)."""
+    return max(0.0, (now - info.acquired_at).total_seconds())
+
+
+def duration(seconds: float) -> str:
+    """``4.2s``, ``3m05s``, ``2h01m``, ``3d04h``; ``never`` for a lease with no end."""
+    if math.isinf(seconds):
+        return "never"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def as_dict(info: LockInfo, now: datetime) -> dict[str, Any]:
+    """One lease as JSON-ready data; a lease with no end has null ``expires_*``."""
+    finite = math.isfinite(info.expires_in)
+    return {
+        "backend": info.backend,
+        "name": info.name,
+        "token": info.token,
+        "holder": info.holder,
+        "acquired_at": info.acquired_at.isoformat(),
+        "expires_at": info.expires_at.isoformat() if finite else None,
+        "held_for": round(held_for(info, now), 3),
+        "expires_in": round(info.expires_in, 3) if finite else None,
+    }
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped, so a name cannot drive the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def table(rows: Iterable[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
+    """Left-aligned columns two spaces apart; the header is the first line."""
+    cells = [header, *(tuple(printable(cell) for cell in row) for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    last = len(header) - 1
+    return [
+        "  ".join(cell if i == last else cell.ljust(widths[i]) for i, cell in enumerate(row))
+        for row in cells
+    ]
+
+
+#: The columns of ``manage.py locks`` and of the admin's list.
+COLUMNS = ("BACKEND", "NAME", "TOKEN", "HOLDER", "HELD FOR", "EXPIRES IN")
+
+
+def columns(info: LockInfo, now: datetime) -> tuple[str, ...]:
+    return (
+        info.backend,
+        info.name,
+        str(info.token),
+        holder_label(info.holder),
+        duration(held_for(info, now)),
+        duration(info.expires_in),
+    )

@@ -1,0 +1,355 @@
+"""``manage.py locks``: list, show, break and check locks on every configured backend.
+
+Exit codes: 0 done; 1 nothing matched (``show``, ``break``) or the break was
+not confirmed; 2 bad usage; 3 a backend did not answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from ... import holders
+from ...exceptions import DLockError
+from ...handler import locks
+
+NOTHING_MATCHED = 1
+USAGE = 2
+UNAVAILABLE = 3
+
+#: ``--watch`` with no number refreshes this often (seconds).
+WATCH_INTERVAL = 2.0
+
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+class Command(BaseCommand):
+    help = (
+        "List, show, break and check distributed locks. With no subcommand: list. "
+        "Exit codes: 0 done; 1 nothing matched or not confirmed; 2 bad usage; "
+        "3 a backend did not answer."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        aliases = list(locks)
+        self._list_options(parser, aliases, default=True)
+        sub = parser.add_subparsers(dest="subcommand", metavar="{list,show,break,check}")
+
+        listing = sub.add_parser("list", help="Live leases as a table (the default).")
+        self._list_options(listing, aliases, default=False)
+
+        show = sub.add_parser("show", help="Everything known about the lease on NAME.")
+        show.add_argument("name", help="The lock's exact name.")
+        self._backend_option(show, aliases, default=False)
+        show.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+
+        brk = sub.add_parser(
+            "break",
+            help="Delete the lease on NAME (or on every name under --prefix) whoever holds it.",
+        )
+        brk.add_argument("name", nargs="?", help="The lock's exact name.")
+        self._backend_option(brk, aliases, default=False)
+        brk.add_argument(
+            "--prefix",
+            default=argparse.SUPPRESS,
+            help="Break every lease whose name starts with PREFIX (needs --yes).",
+        )
+        brk.add_argument(
+            "--yes",
+            "-y",
+            "--no-input",
+            "--noinput",
+            action="store_true",
+            dest="yes",
+            help="Do not ask for confirmation.",
+        )
+
+        check = sub.add_parser(
+            "check", help="Ping each backend: server version, round trip, whether it answers."
+        )
+        self._backend_option(check, aliases, default=False)
+        check.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+
+    @staticmethod
+    def _backend_option(parser: CommandParser, aliases: list[str], *, default: bool) -> None:
+        # On the subcommands the defaults are suppressed, so that
+        # `locks --backend x list` keeps the value given before the subcommand.
+        parser.add_argument(
+            "--backend",
+            choices=aliases,
+            default=None if default else argparse.SUPPRESS,
+            help="Only this backend alias (default: every configured backend).",
+        )
+
+    def _list_options(self, parser: CommandParser, aliases: list[str], *, default: bool) -> None:
+        self._backend_option(parser, aliases, default=default)
+        parser.add_argument(
+            "--prefix",
+            default=None if default else argparse.SUPPRESS,
+            help="Only names that start with PREFIX.",
+        )
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            default=False if default else argparse.SUPPRESS,
+            help="Print JSON instead of a table.",
+        )
+        parser.add_argument(
+            "--watch",
+            nargs="?",
+            type=_positive_seconds,
+            const=WATCH_INTERVAL,
+            default=None if default else argparse.SUPPRESS,
+            metavar="SECONDS",
+            help=f"Refresh every SECONDS (default {WATCH_INTERVAL:g}) until interrupted.",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        subcommand = options.get("subcommand") or "list"
+        backend = options.get("backend")
+        if subcommand == "list":
+            prefix = options.get("prefix") or ""
+            if options.get("watch") is not None:
+                self.watch(backend, prefix, options["watch"], options["json"])
+            else:
+                self.list_locks(backend, prefix, options["json"])
+        elif subcommand == "show":
+            self.show_lock(options["name"], backend, options.get("json", False))
+        elif subcommand == "break":
+            self.break_locks(options.get("name"), backend, options.get("prefix"), options["yes"])
+        else:
+            self.check_backends(backend, options.get("json", False))
+
+    # --- list -----------------------------------------------------------------------
+
+    def list_locks(self, backend: str | None, prefix: str, as_json: bool) -> None:
+        listing = holders.current_holders(backend, prefix)
+        self.stdout.write(self.render(listing, backend, prefix, as_json))
+        self.fail_for(listing)
+
+    def render(
+        self, listing: holders.Listing, backend: str | None, prefix: str, as_json: bool
+    ) -> str:
+        now = listing.taken_at
+        if as_json:
+            return _json_lines([holders.as_dict(info, now) for info in listing.holders])
+        lines = [self.style.ERROR(f"{alias}: {error}") for alias, error in listing.errors.items()]
+        if not listing.holders:
+            where = f" on backend {backend!r}" if backend else ""
+            under = f" with names starting {prefix!r}" if prefix else ""
+            return "\n".join([*lines, f"No locks held{where}{under}."])
+        header, *rows = holders.table(
+            (holders.columns(info, now) for info in listing.holders), holders.COLUMNS
+        )
+        return "\n".join([*lines, self.style.MIGRATE_HEADING(header), *rows])
+
+    def fail_for(self, listing: holders.Listing) -> None:
+        if listing.errors:
+            raise CommandError(
+                f"Backend(s) {', '.join(listing.errors)} did not answer.", returncode=UNAVAILABLE
+            )
+
+    def watch(self, backend: str | None, prefix: str, interval: float, as_json: bool) -> None:
+        in_place = self.stdout.isatty() and not as_json
+        try:
+            while True:
+                listing = holders.current_holders(backend, prefix)
+                if as_json:
+                    # One JSON document per refresh, each on one line (NDJSON).
+                    now = listing.taken_at
+                    self.stdout.write(
+                        json.dumps([holders.as_dict(info, now) for info in listing.holders])
+                    )
+                else:
+                    frame = self.render(listing, backend, prefix, as_json=False)
+                    stamp = listing.taken_at.strftime("%Y-%m-%d %H:%M:%S UTC")
+                    title = f"Every {interval:g}s: locks list {_on(backend)}".rstrip()
+                    self.stdout.write(
+                        (_CLEAR if in_place else "") + f"{title}    {stamp}\n\n{frame}\n"
+                    )
+                self.stdout.flush()
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            self.stdout.write("")
+
+    # --- show -----------------------------------------------------------------------
+
+    def show_lock(self, name: str, backend: str | None, as_json: bool) -> None:
+        listing = holders.find_holders(name, backend)
+        now = listing.taken_at
+        if as_json:
+            self.stdout.write(_json_lines([holders.as_dict(i, now) for i in listing.holders]))
+        for info in [] if as_json else listing.holders:
+            fields: list[tuple[str, str]] = [
+                ("backend", info.backend),
+                ("name", info.name),
+                ("token", str(info.token)),
+                ("acquired at", info.acquired_at.isoformat()),
+                ("held for", holders.duration(holders.held_for(info, now))),
+                ("expires at", _expires_at(info)),
+                ("expires in", holders.duration(info.expires_in)),
+            ]
+            fields += [(f"holder.{key}", _text(value)) for key, value in info.holder.items()]
+            width = max(len(label) for label, _ in fields)
+            for label, value in fields:
+                self.stdout.write(
+                    f"{self.style.MIGRATE_LABEL(label.ljust(width))}  {holders.printable(value)}"
+                )
+            self.stdout.write("")
+        self.fail_for(listing)
+        if not listing.holders:
+            raise CommandError(f"{name!r} is not held{_on(backend)}.", returncode=NOTHING_MATCHED)
+
+    # --- break ----------------------------------------------------------------------
+
+    def break_locks(
+        self, name: str | None, backend: str | None, prefix: str | None, yes: bool
+    ) -> None:
+        if (name is None) == (prefix is None):
+            raise CommandError("Give a lock NAME or --prefix PREFIX, not both.", returncode=USAGE)
+        if prefix is not None and not yes:
+            raise CommandError(
+                f"Breaking by --prefix needs --yes. `manage.py locks list --prefix {prefix}` "
+                "shows what it would break.",
+                returncode=USAGE,
+            )
+        if name is not None:
+            listing = holders.find_holders(name, backend)
+        else:
+            listing = holders.current_holders(backend, prefix or "")
+        for alias, error in listing.errors.items():
+            self.stderr.write(f"{alias}: {error}")
+        if not listing.holders:
+            self.fail_for(listing)
+            what = f"{name!r} is not" if name is not None else f"no name starting {prefix!r} is"
+            raise CommandError(
+                f"Nothing broken: {what} held{_on(backend)}.", returncode=NOTHING_MATCHED
+            )
+        if not yes:
+            self.stdout.write("About to break:")
+            self.stdout.write(self.render(listing, backend, prefix or "", False))
+            if not self.confirm("Break these leases? Their holders will lose them. [y/N] "):
+                raise CommandError("Nothing broken.", returncode=NOTHING_MATCHED)
+        broken = 0
+        for info in listing.holders:
+            try:
+                done = holders.break_holder(info)
+            except DLockError as e:
+                self.stderr.write(f"{info.backend}: {e}")
+                listing.errors[info.backend] = e
+                continue
+            where = f"'{holders.printable(info.name)}' on {info.backend} (token {info.token}"
+            if done:
+                broken += 1
+                label = holders.printable(holders.holder_label(info.holder))
+                self.stdout.write(self.style.SUCCESS(f"Broke {where}, held by {label})."))
+            else:
+                self.stdout.write(
+                    self.style.WARNING(f"Left {where}): released or taken again since listed.")
+                )
+        if broken == 0:
+            self.fail_for(listing)
+            raise CommandError("Nothing broken.", returncode=NOTHING_MATCHED)
+        self.fail_for(listing)
+
+    def confirm(self, question: str) -> bool:
+        try:
+            answer = input(question)
+        except EOFError:
+            return False
+        return answer.strip().lower() in ("y", "yes")
+
+    # --- check ----------------------------------------------------------------------
+
+    def check_backends(self, backend: str | None, as_json: bool) -> None:
+        results: list[dict[str, Any]] = []
+        for alias in holders.aliases(backend):
+            backend_obj = locks[alias]
+            result: dict[str, Any] = {
+                "backend": alias,
+                "class": backend_obj.path,
+                "ok": False,
+                "version": None,
+                "latency_ms": None,
+                "warnings": [],
+                "error": None,
+            }
+            try:
+                status = backend_obj.ping()
+            except DLockError as e:
+                result["error"] = str(e)
+            else:
+                result.update(
+                    ok=True,
+                    version=status.version,
+                    latency_ms=round(status.latency * 1000, 3),
+                    warnings=list(status.warnings),
+                )
+            results.append(result)
+        if as_json:
+            self.stdout.write(_json_lines(results))
+        else:
+            rows = []
+            for r in results:
+                if r["ok"]:
+                    state = "ok" + (f", {len(r['warnings'])} warning(s)" if r["warnings"] else "")
+                    rows.append(
+                        (
+                            r["backend"],
+                            r["class"],
+                            r["version"],
+                            f"{r['latency_ms']:.1f} ms",
+                            state,
+                        )
+                    )
+                else:
+                    rows.append((r["backend"], r["class"], "-", "-", "FAILED"))
+            header, *lines = holders.table(
+                rows, ("BACKEND", "CLASS", "SERVER", "ROUND TRIP", "STATUS")
+            )
+            self.stdout.write(self.style.MIGRATE_HEADING(header))
+            for line, r in zip(lines, results, strict=True):
+                style = self.style.SUCCESS if r["ok"] and not r["warnings"] else self.style.WARNING
+                self.stdout.write(style(line) if r["ok"] else self.style.ERROR(line))
+                for warning in r["warnings"]:
+                    self.stdout.write(self.style.WARNING(f"  {r['backend']}: {warning}"))
+                if r["error"]:
+                    self.stdout.write(self.style.ERROR(f"  {r['backend']}: {r['error']}"))
+        failed = [r["backend"] for r in results if not r["ok"]]
+        if failed:
+            raise CommandError(
+                f"Backend(s) {', '.join(failed)} did not answer.", returncode=UNAVAILABLE
+            )
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the interval must be a positive number")
+    return value
+
+
+def _json_lines(items: list[dict[str, Any]]) -> str:
+    """A JSON array with one element per line: valid JSON, readable, and fast to write."""
+    if not items:
+        return "[]"
+    return "[\n" + ",\n".join(map(json.dumps, items)) + "\n]"
+
+
+def _expires_at(info: Any) -> str:
+    return info.expires_at.isoformat() if info.expires_in != float("inf") else "never"
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _on(backend: str | None) -> str:
+    return f" on backend {backend!r}" if backend else ""

@@ -1,0 +1,354 @@
+"""``manage.py locks``: in-process through ``call_command``, and as a real process
+(exit codes, the confirmation prompt, ``--watch``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import signal
+import subprocess
+import sys
+import time
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.test import override_settings
+
+from django_dlock import LockLost, lock, locks
+from django_dlock.backends.base import BaseLockBackend
+from django_dlock.signals import lock_broken
+from tests.servers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCMEM = {"BACKEND": "django_dlock.backends.locmem.LocMemBackend"}
+TASK = {"task_name": "billing.tasks.sync_account", "task_id": "5f0c1a2e-task", "note": "nightly"}
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command("locks", *args, stdout=out, stderr=StringIO(), no_color=True)
+    return out.getvalue()
+
+
+def cells(line: str) -> list[str]:
+    """A table line's cells: columns are two or more spaces apart."""
+    return re.split(r" {2,}", line.strip())
+
+
+def failing(*args: str) -> tuple[CommandError, str]:
+    out = StringIO()
+    with pytest.raises(CommandError) as excinfo:
+        call_command("locks", *args, stdout=out, stderr=StringIO(), no_color=True)
+    return excinfo.value, out.getvalue()
+
+
+# --- every backend -----------------------------------------------------------------------
+
+
+def test_list_json_show_break_and_check_on_every_backend(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    with lock(name, backend=backend_alias, metadata=TASK) as held:
+        table = run("--backend", backend_alias, "--prefix", name)
+        header, row = map(cells, table.splitlines())
+        assert header == ["BACKEND", "NAME", "TOKEN", "HOLDER", "HELD FOR", "EXPIRES IN"]
+        host, pid = held.holder["host"], os.getpid()
+        assert row[:4] == [
+            backend_alias,
+            name,
+            str(held.token),
+            f"{host}:{pid} billing.tasks.sync_account[5f0c1a2e-task]",
+        ]
+        assert row[4].endswith("s") and row[5].endswith("s")
+
+        (item,) = json.loads(run("list", "--backend", backend_alias, "--prefix", name, "--json"))
+        assert item["backend"] == backend_alias
+        assert item["name"] == name
+        assert item["token"] == held.token
+        assert item["holder"]["task_id"] == "5f0c1a2e-task"
+        assert item["holder"]["pid"] == pid
+        assert 0 < item["expires_in"] <= 30
+        assert item["held_for"] >= 0
+
+        shown = run("show", name, "--backend", backend_alias)
+        assert f"token               {held.token}" in shown
+        assert "holder.note         nightly" in shown
+        assert "holder.task_name    billing.tasks.sync_account" in shown
+
+        broke = run("break", name, "--backend", backend_alias, "--yes")
+        assert f"Broke '{name}' on {backend_alias} (token {held.token}" in broke
+        with pytest.raises(LockLost):
+            held.ensure()
+        assert backend.list(name) == []
+        with pytest.raises(LockLost):
+            held.release()
+
+    checked = run("check", "--backend", backend_alias)
+    assert cells(checked.splitlines()[1])[:2] == [backend_alias, backend.path]
+    assert checked.rstrip().endswith("ok") or "warning" in checked
+
+
+# --- list ----------------------------------------------------------------------------------
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM, "other": {**LOCMEM, "KEY_PREFIX": "o"}})
+def test_list_covers_every_backend_and_filters(name: str) -> None:
+    with (
+        lock(f"{name}:a"),
+        lock(f"{name}:b", backend="other"),
+        lock("unrelated", backend="other"),
+    ):
+        names = [line.split()[:2] for line in run("--prefix", name).splitlines()[1:]]
+        assert names == [["default", f"{name}:a"], ["other", f"{name}:b"]]
+        only = [line.split()[1] for line in run("--backend", "other").splitlines()[1:]]
+        assert only == [f"{name}:b", "unrelated"]
+    assert run("--prefix", name) == f"No locks held with names starting {name!r}.\n"
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_json_with_nothing_held_is_an_empty_list() -> None:
+    assert json.loads(run("--json", "--prefix", "nothing-here")) == []
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_control_characters_in_names_and_metadata_are_escaped(name: str) -> None:
+    evil = f"{name}\x1b[2J\x07\n"
+    with lock(evil, metadata={"note": "\x1b]0;pwned\x07"}):
+        table = run("--prefix", name)
+        shown = run("show", evil)
+        listed = run("--prefix", name, "--json")
+    for output in (table, shown, listed):
+        assert "\x1b" not in output and "\x07" not in output
+    assert f"{name}\\x1b[2J\\x07\\n" in table
+    assert "holder.note" in shown and "\\x1b]0;pwned\\x07" in shown
+    assert json.loads(listed)[0]["name"] == evil
+
+
+def test_a_backend_that_does_not_answer_is_reported_and_the_rest_listed(name: str) -> None:
+    down = {"BACKEND": "django_dlock.backends.redis.RedisBackend"}
+    down["LOCATION"] = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    with override_settings(DLOCK_BACKENDS={"default": LOCMEM, "down": down}), lock(name):
+        error, output = failing("--prefix", name)
+        assert error.returncode == 3
+        assert "down" in str(error)
+        lines = output.splitlines()
+        assert lines[0].startswith("down: Redis at redis://:***@127.0.0.1:")
+        assert cells(lines[2])[:2] == ["default", name]
+
+        error, output = failing("check")
+        assert error.returncode == 3
+        assert "hunter2" not in output
+        rows = {line.split()[0]: line for line in output.splitlines()[1:] if line[:1] != " "}
+        assert rows["default"].endswith("ok")
+        assert rows["down"].endswith("FAILED")
+
+
+# --- show and break ------------------------------------------------------------------------
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_show_and_break_of_a_lock_nobody_holds_exit_1(name: str) -> None:
+    error, _ = failing("show", name)
+    assert error.returncode == 1
+    assert str(error) == f"{name!r} is not held."
+    error, _ = failing("break", name, "--yes")
+    assert error.returncode == 1
+    error, _ = failing("break", "--prefix", name, "--yes")
+    assert error.returncode == 1
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+@pytest.mark.parametrize(
+    "args",
+    [("break",), ("break", "x", "--prefix", "x", "--yes"), ("break", "--prefix", "x")],
+    ids=["nothing", "both", "prefix-without-yes"],
+)
+def test_break_usage_errors_exit_2_and_break_nothing(name: str, args: tuple[str, ...]) -> None:
+    with lock("x") as held:
+        error, _ = failing(*args)
+        held.ensure()
+    assert error.returncode == 2
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_break_by_prefix_breaks_only_those_names(name: str) -> None:
+    broken: list[tuple[str, int | None]] = []
+
+    def on_broken(sender: Any, **kwargs: Any) -> None:
+        broken.append((kwargs["name"], kwargs["token"]))
+
+    a, b = lock(f"{name}:a").acquire(), lock(f"{name}:b").acquire()
+    with lock(f"other:{name}") as other:
+        lock_broken.connect(on_broken)
+        try:
+            output = run("break", "--prefix", f"{name}:", "--yes")
+        finally:
+            lock_broken.disconnect(on_broken)
+        other.ensure()
+    for held in (a, b):
+        with pytest.raises(LockLost):
+            held.ensure()
+        assert f"Broke '{held.name}' on default (token {held.token}" in output
+    assert sorted(broken) == sorted([(a.name, a.token), (b.name, b.token)])
+
+
+# --- as a real process ---------------------------------------------------------------------
+
+
+def manage(
+    settings_module: str, *args: str, input: str | None = None, extra_path: str = ""
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "django", "locks", *args],
+        cwd=ROOT,
+        env=_env(settings_module, extra_path),
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _env(settings_module: str, extra_path: str = "") -> dict[str, str]:
+    path = os.pathsep.join(p for p in (extra_path, str(ROOT), str(ROOT / "testproject")) if p)
+    return {**os.environ, "DJANGO_SETTINGS_MODULE": settings_module, "PYTHONPATH": path}
+
+
+@pytest.fixture
+def redis_only(tmp_path: Path, redis_servers: dict[str, Any]) -> str:
+    """A settings module whose only lock backend is the test Redis, named "default"."""
+    (tmp_path / "redis_only_settings.py").write_text(
+        "from tests.settings import *  # noqa\n"
+        "DLOCK_BACKENDS = {'default': DLOCK_BACKENDS['redis']}\n"
+    )
+    return str(tmp_path)
+
+
+def test_confirmation_prompt(redis_only: str, name: str) -> None:
+    held = lock(name, backend="redis").acquire()
+    try:
+        for answer in ("n\n", "", "maybe\n"):
+            result = manage(
+                "redis_only_settings", "break", name, input=answer, extra_path=redis_only
+            )
+            assert result.returncode == 1, result.stderr
+            assert "About to break:" in result.stdout
+            assert cells(result.stdout.splitlines()[2])[1:3] == [name, str(held.token)]
+            assert "Break these leases? Their holders will lose them. [y/N]" in result.stdout
+            assert "Nothing broken." in result.stderr
+            held.ensure()
+        result = manage("redis_only_settings", "break", name, input="y\n", extra_path=redis_only)
+        assert result.returncode == 0, result.stderr
+        assert f"Broke '{name}' on default (token {held.token}" in result.stdout
+        with pytest.raises(LockLost):
+            held.ensure()
+    finally:
+        locks["redis"].break_lock(name, token=held.token)
+
+
+def test_exit_codes_of_the_process(redis_only: str, tmp_path: Path, name: str) -> None:
+    result = manage("redis_only_settings", "show", name, extra_path=redis_only)
+    assert result.returncode == 1
+    assert result.stderr.endswith(f"CommandError: {name!r} is not held.\n")
+    result = manage("redis_only_settings", "break", "--prefix", name, extra_path=redis_only)
+    assert result.returncode == 2
+    assert "Breaking by --prefix needs --yes" in result.stderr
+    result = manage("redis_only_settings", "--backend", "nope", extra_path=redis_only)
+    assert result.returncode == 2
+    assert "invalid choice: 'nope'" in result.stderr
+    result = manage("redis_only_settings", "--watch", "0", extra_path=redis_only)
+    assert result.returncode == 2
+    assert "the interval must be a positive number" in result.stderr
+    result = manage("redis_only_settings", "check", extra_path=redis_only)
+    assert result.returncode == 0, result.stderr
+    assert "Redis " in result.stdout
+
+    (tmp_path / "down_settings.py").write_text(
+        "from tests.settings import *  # noqa\n"
+        "DLOCK_BACKENDS = {'default': {'BACKEND': 'django_dlock.backends.redis.RedisBackend',"
+        f" 'LOCATION': 'redis://127.0.0.1:{free_port()}/0'}}}}\n"
+    )
+    result = manage("down_settings", "check", extra_path=str(tmp_path))
+    assert result.returncode == 3
+    assert "FAILED" in result.stdout
+    result = manage("down_settings", "list", extra_path=str(tmp_path))
+    assert result.returncode == 3
+
+
+def _watch(redis_only: str, *args: str) -> list[str]:
+    """Run ``locks --watch`` until it has printed some output, interrupt it, return its lines."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "django", "locks", *args],
+        cwd=ROOT,
+        env=_env("redis_only_settings", redis_only),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines = []
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if sum("Every " in ln or ln.startswith("[") for ln in lines) >= 3:
+                break
+        proc.send_signal(signal.SIGINT)
+        # Not communicate(): it would skip what readline() has buffered.
+        rest, err = proc.stdout.read(), proc.stderr.read() if proc.stderr else ""
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    return lines + rest.splitlines(keepends=True)
+
+
+def test_watch_refreshes_until_interrupted(redis_only: str, name: str) -> None:
+    with lock(name, backend="redis") as held:
+        lines = _watch(redis_only, "--watch", "0.2", "--prefix", name)
+    frames = [ln for ln in lines if ln.startswith("Every 0.2s: locks list")]
+    assert len(frames) >= 3
+    rows = [ln for ln in lines if cells(ln)[:3] == ["default", name, str(held.token)]]
+    assert len(rows) >= 3
+    assert "\x1b[2J" not in "".join(lines)  # not a terminal: frames follow each other
+
+
+def test_watch_json_prints_one_document_per_refresh(redis_only: str, name: str) -> None:
+    with lock(name, backend="redis") as held:
+        lines = _watch(redis_only, "list", "--json", "--watch", "0.2", "--prefix", name)
+    documents = [json.loads(ln) for ln in lines if ln.strip()]
+    assert len(documents) >= 3
+    assert all([item["token"] for item in doc] == [held.token] for doc in documents)
+
+
+def test_watch_on_a_terminal_redraws_in_place(redis_only: str, name: str) -> None:
+    primary, secondary = pty.openpty()
+    with lock(name, backend="redis"):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "django", "locks", "--watch", "0.2", "--prefix", name],
+            cwd=ROOT,
+            env=_env("redis_only_settings", redis_only),
+            stdout=secondary,
+            stderr=subprocess.PIPE,
+        )
+        os.close(secondary)
+        output = b""
+        try:
+            deadline = time.monotonic() + 30
+            while output.count(b"\x1b[H\x1b[2J") < 3 and time.monotonic() < deadline:
+                output += os.read(primary, 65536)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            proc.kill()
+            os.close(primary)
+    # Each refresh homes the cursor and clears the screen before the new frame.
+    frames = output.split(b"\x1b[H\x1b[2J")[1:]
+    assert len(frames) >= 3
+    assert all(frame.startswith(b"Every 0.2s: locks list") for frame in frames)
