@@ -6,6 +6,8 @@ from django.apps import AppConfig
 class DLockConfig(AppConfig):
     name = "django_dlock"
     verbose_name = "Distributed locks"
+    # Fixed here, so that a project's DEFAULT_AUTO_FIELD never asks for a migration.
+    default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
         from . import checks, signals  # noqa: F401  (registers the check and receivers)

@@ -34,3 +34,26 @@ class Lease(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class Lock(models.Model):
+    """The admin's "Locks" entry: live leases, read from the lock backends.
+
+    No table (``managed = False``): the model exists for the admin's app list,
+    its content type (admin log entries of breaks point at it) and the two
+    permissions: ``django_dlock.view_lock`` to see holders and
+    ``django_dlock.break_lock`` to break a lease.
+    """
+
+    class Meta:
+        managed = False
+        default_permissions = ()
+        permissions = [
+            ("view_lock", "Can view held locks"),
+            ("break_lock", "Can break held locks"),
+        ]
+        verbose_name = "lock"
+        verbose_name_plural = "locks"
+
+    def __str__(self) -> str:
+        return f"lock {self.pk}"

@@ -21,19 +21,26 @@ from tests.servers import (
 )
 
 
-def backend_params(aliases: list[str] | None = None) -> list[object]:
-    """One pytest param per backend under test, marked with the database it needs."""
+def backend_params(
+    aliases: list[str] | None = None, *, with_default_db: bool = False
+) -> list[object]:
+    """One pytest param per backend under test, marked with the database it needs.
+
+    ``with_default_db``: the test also uses the "default" database (the
+    admin's users, sessions and log), whatever the backend.
+    """
     params = []
     for alias, database in settings.CONFORMANCE_BACKENDS.items():
         if aliases is not None and alias not in aliases:
             continue
         reason = settings.UNAVAILABLE_BACKENDS.get(alias)
+        databases = sorted({database, "default"} - {None}) if with_default_db else [database]
         if reason:
             marks = [pytest.mark.skip(reason=reason)]
-        elif database is None:
+        elif database is None and not with_default_db:
             marks = []
         else:
-            marks = [pytest.mark.django_db(transaction=True, databases=[database])]
+            marks = [pytest.mark.django_db(transaction=True, databases=databases)]
         params.append(pytest.param(alias, marks=marks, id=alias))
     return params
 
@@ -42,12 +49,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend_alias" in metafunc.fixturenames:
         marker = metafunc.definition.get_closest_marker("backends")
         aliases = list(marker.args) if marker else None
-        metafunc.parametrize("backend_alias", backend_params(aliases))
+        with_default_db = metafunc.definition.get_closest_marker("with_default_db") is not None
+        metafunc.parametrize(
+            "backend_alias", backend_params(aliases, with_default_db=with_default_db)
+        )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "backends(*aliases): run a backend_alias test on these backends only"
+    )
+    config.addinivalue_line(
+        "markers",
+        "with_default_db: a backend_alias test that also uses the default database",
     )
 
 

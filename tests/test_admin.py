@@ -1,0 +1,306 @@
+"""The admin's "Locks" page: listing and breaking on every backend, permissions,
+CSRF, escaping, paging, filters and auto-refresh (through Django's test client)."""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import re
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlencode
+
+import pytest
+from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.auth.models import Permission
+from django.test import Client, override_settings
+from django.urls import reverse
+
+from django_dlock import HeldLock, LockLost, LockNotOwned, lock
+from django_dlock.backends.base import BaseLockBackend
+from django_dlock.signals import lock_broken
+from tests.servers import free_port
+
+CHANGELIST = "admin:django_dlock_lock_changelist"
+BREAK = "admin:django_dlock_lock_break"
+LOCMEM = {"default": {"BACKEND": "django_dlock.backends.locmem.LocMemBackend"}}
+XSS = "<script>alert(1)</script>"
+
+
+def rows(response: Any) -> list[dict[str, str]]:
+    """The lease rows of the list page, as their data-* attributes (unescaped)."""
+    found = re.findall(
+        r'<tr class="lock" data-backend="([^"]*)" data-name="([^"]*)" data-token="([^"]*)">',
+        response.content.decode(),
+    )
+    return [
+        {"backend": html.unescape(b), "name": html.unescape(n), "token": t} for b, n, t in found
+    ]
+
+
+def user_with(django_user_model: Any, *codenames: str, staff: bool = True) -> Any:
+    user = django_user_model.objects.create_user(
+        username=f"u{'-'.join(codenames) or 'none'}", password="pw", is_staff=staff
+    )
+    user.user_permissions.set(
+        Permission.objects.filter(content_type__app_label="django_dlock", codename__in=codenames)
+    )
+    return user
+
+
+def client_for(user: Any, **kwargs: Any) -> Client:
+    client = Client(**kwargs)
+    client.force_login(user)
+    return client
+
+
+# --- every backend -----------------------------------------------------------------------
+
+
+@pytest.mark.with_default_db
+def test_list_and_break_on_every_backend(
+    backend_alias: str, backend: BaseLockBackend, name: str, admin_client: Client
+) -> None:
+    broken: list[tuple[str, str, int | None]] = []
+
+    def on_broken(sender: Any, **kwargs: Any) -> None:
+        broken.append((kwargs["backend"], kwargs["name"], kwargs["token"]))
+
+    held = lock(name, backend=backend_alias, metadata={"note": "nightly"}).acquire()
+    page = admin_client.get(reverse(CHANGELIST), {"backend": backend_alias, "q": name})
+    assert page.status_code == 200
+    assert rows(page) == [{"backend": backend_alias, "name": name, "token": str(held.token)}]
+    assert f"{held.holder['host']}:{held.holder['pid']}" in page.content.decode()
+
+    filters = urlencode({"backend": backend_alias, "q": name})
+    form = {"backend": backend_alias, "name": name, "token": str(held.token), "filters": filters}
+    confirm = admin_client.post(reverse(BREAK), form)
+    assert confirm.status_code == 200
+    assert "Are you sure?" in confirm.content.decode()
+    held.ensure()  # the first POST only asks
+
+    lock_broken.connect(on_broken)
+    try:
+        done = admin_client.post(reverse(BREAK), {**form, "confirm": "yes"}, follow=True)
+    finally:
+        lock_broken.disconnect(on_broken)
+    # Back to the list as it was filtered.
+    assert done.redirect_chain == [(f"{reverse(CHANGELIST)}?{filters}", 302)]
+    assert rows(done) == []
+    assert f"Broke the lease on {name!r} on {backend_alias}" in html.unescape(
+        done.content.decode()
+    )
+    assert broken == [(backend_alias, name, held.token)]
+    with pytest.raises(LockLost):
+        held.ensure()
+    assert backend.list(name) == []
+    entry = LogEntry.objects.get(object_id=f"{backend_alias}:{name}")
+    assert entry.action_flag == DELETION
+    assert entry.object_repr == name
+    assert entry.user.username == "admin"
+    assert f"fencing token {held.token}" in entry.change_message
+
+
+# --- who may see and break -----------------------------------------------------------------
+
+
+@pytest.fixture
+def held_lock(name: str) -> Iterator[HeldLock]:
+    """A lease on the locmem backend, which a test may break."""
+    with override_settings(DLOCK_BACKENDS=LOCMEM):
+        held = lock(name).acquire()
+        yield held
+        with contextlib.suppress(LockNotOwned):
+            held.release()
+
+
+def break_form(held: Any, **extra: str) -> dict[str, str]:
+    return {"backend": "default", "name": held.name, "token": str(held.token), **extra}
+
+
+@pytest.mark.django_db
+def test_anonymous_is_sent_to_the_login_page(held_lock: Any, client: Client) -> None:
+    page = client.get(reverse(CHANGELIST))
+    assert page.status_code == 302
+    assert page["Location"].startswith(reverse("admin:login"))
+    post = client.post(reverse(BREAK), break_form(held_lock, confirm="yes"))
+    assert post.status_code == 302
+    assert post["Location"].startswith(reverse("admin:login"))
+    held_lock.ensure()
+
+
+@pytest.mark.django_db
+def test_staff_without_the_permissions_is_refused(held_lock: Any, django_user_model: Any) -> None:
+    client = client_for(user_with(django_user_model))
+    assert client.get(reverse(CHANGELIST)).status_code == 403
+    assert client.post(reverse(BREAK), break_form(held_lock, confirm="yes")).status_code == 403
+    index = client.get(reverse("admin:index"))
+    assert reverse(CHANGELIST) not in index.content.decode()
+    held_lock.ensure()
+
+
+@pytest.mark.django_db
+def test_view_permission_lists_but_cannot_break(held_lock: Any, django_user_model: Any) -> None:
+    client = client_for(user_with(django_user_model, "view_lock"))
+    index = client.get(reverse("admin:index"))
+    assert reverse(CHANGELIST) in index.content.decode()
+    page = client.get(reverse(CHANGELIST))
+    assert page.status_code == 200
+    assert [r["name"] for r in rows(page)] == [held_lock.name]
+    assert "Break…" not in page.content.decode()
+    assert client.post(reverse(BREAK), break_form(held_lock)).status_code == 403
+    assert client.post(reverse(BREAK), break_form(held_lock, confirm="yes")).status_code == 403
+    held_lock.ensure()
+
+
+@pytest.mark.django_db
+def test_break_permission_can_break(held_lock: Any, django_user_model: Any) -> None:
+    client = client_for(user_with(django_user_model, "view_lock", "break_lock"))
+    assert "Break…" in client.get(reverse(CHANGELIST)).content.decode()
+    done = client.post(reverse(BREAK), break_form(held_lock, confirm="yes"))
+    assert done.status_code == 302
+    with pytest.raises(LockLost):
+        held_lock.ensure()
+
+
+@pytest.mark.django_db
+def test_break_by_get_is_refused(held_lock: Any, admin_client: Client) -> None:
+    response = admin_client.get(reverse(BREAK), break_form(held_lock, confirm="yes"))
+    assert response.status_code == 405
+    held_lock.ensure()
+
+
+@pytest.mark.django_db
+def test_break_without_the_csrf_token_is_refused(
+    held_lock: Any, django_user_model: Any, admin_user: Any
+) -> None:
+    client = client_for(admin_user, enforce_csrf_checks=True)
+    response = client.post(reverse(BREAK), break_form(held_lock, confirm="yes"))
+    assert response.status_code == 403
+    assert "CSRF" in response.content.decode()
+    held_lock.ensure()
+
+
+@pytest.mark.django_db
+def test_names_and_metadata_are_escaped(admin_client: Client) -> None:
+    with override_settings(DLOCK_BACKENDS=LOCMEM):
+        metadata = {"note": XSS, "task_name": XSS, "task_id": '"><img src=x>'}
+        held = lock(XSS, metadata=metadata).acquire()
+        page = admin_client.get(reverse(CHANGELIST)).content.decode()
+        confirm = admin_client.post(reverse(BREAK), break_form(held)).content.decode()
+        for body in (page, confirm):
+            assert XSS not in body
+            assert "<img src=x>" not in body
+            assert "&lt;script&gt;alert(1)&lt;/script&gt;" in body
+        done = admin_client.post(reverse(BREAK), break_form(held, confirm="yes"), follow=True)
+        assert XSS not in done.content.decode()
+        with pytest.raises(LockLost):
+            held.ensure()
+
+
+# --- breaking safely -----------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+@override_settings(DLOCK_BACKENDS=LOCMEM)
+def test_a_lease_taken_again_since_the_page_was_shown_is_left_alone(
+    name: str, admin_client: Client
+) -> None:
+    seen = lock(name).acquire()
+    form = break_form(seen)
+    assert admin_client.post(reverse(BREAK), form).status_code == 200
+    seen.release()
+    with lock(name) as successor:
+        done = admin_client.post(reverse(BREAK), {**form, "confirm": "yes"}, follow=True)
+        successor.ensure()
+        assert "has been released or taken again since it was listed" in done.content.decode()
+    assert not LogEntry.objects.exists()
+
+
+@pytest.mark.django_db
+@override_settings(DLOCK_BACKENDS=LOCMEM)
+@pytest.mark.parametrize(
+    "form",
+    [{}, {"backend": "nope", "name": "x", "token": "1"}, {"backend": "default", "name": "x"}],
+    ids=["empty", "unknown-backend", "no-token"],
+)
+def test_a_malformed_break_request_breaks_nothing(
+    form: dict[str, str], admin_client: Client
+) -> None:
+    with lock("x") as held:
+        response = admin_client.post(reverse(BREAK), {**form, "confirm": "yes"}, follow=True)
+        held.ensure()
+    assert "did not name a lock and its token" in response.content.decode()
+
+
+# --- the list ------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+@override_settings(
+    DLOCK_BACKENDS={
+        "default": LOCMEM["default"],
+        "other": {**LOCMEM["default"], "KEY_PREFIX": "other"},
+    }
+)
+def test_paging_search_and_backend_filter(name: str, admin_client: Client) -> None:
+    held = [lock(f"{name}:{i:03d}").acquire() for i in range(150)]
+    held += [lock(f"{name}:x", backend="other").acquire(), lock("zzz", backend="other").acquire()]
+    try:
+        url = reverse(CHANGELIST)
+        first = admin_client.get(url, {"q": name})
+        assert len(rows(first)) == 100
+        assert "151 locks held" in first.content.decode()
+        second = admin_client.get(url, {"q": name, "p": "2"})
+        assert [r["name"] for r in rows(second)][-2:] == [f"{name}:149", f"{name}:x"]
+        assert len(rows(second)) == 51
+        other = admin_client.get(url, {"backend": "other"})
+        assert [(r["backend"], r["name"]) for r in rows(other)] == [
+            ("other", f"{name}:x"),
+            ("other", "zzz"),
+        ]
+        searched = admin_client.get(url, {"q": f"{name}:00".upper()})
+        assert len(rows(searched)) == 10  # case-insensitive substring
+    finally:
+        for h in held:
+            h.release()
+
+
+@pytest.mark.django_db
+@override_settings(DLOCK_BACKENDS=LOCMEM)
+def test_auto_refresh(admin_client: Client) -> None:
+    url = reverse(CHANGELIST)
+    assert '<meta http-equiv="refresh" content="10">' in admin_client.get(url).content.decode()
+    five = admin_client.get(url, {"refresh": "5"}).content.decode()
+    assert '<meta http-equiv="refresh" content="5">' in five
+    off = admin_client.get(url, {"refresh": "0"}).content.decode()
+    assert 'http-equiv="refresh"' not in off
+    odd = admin_client.get(url, {"refresh": "1; url=https://example.invalid"}).content.decode()
+    assert '<meta http-equiv="refresh" content="10">' in odd
+
+
+@pytest.mark.django_db
+def test_a_backend_that_does_not_answer_is_shown_with_the_rest(
+    name: str, admin_client: Client
+) -> None:
+    down = {
+        "BACKEND": "django_dlock.backends.redis.RedisBackend",
+        "LOCATION": f"redis://:hunter2@127.0.0.1:{free_port()}/0",
+    }
+    with override_settings(DLOCK_BACKENDS={**LOCMEM, "down": down}), lock(name):
+        page = admin_client.get(reverse(CHANGELIST))
+        body = page.content.decode()
+    assert page.status_code == 200
+    assert [r["name"] for r in rows(page)] == [name]
+    assert "Backend down did not answer" in body
+    assert "hunter2" not in body
+
+
+@pytest.mark.django_db
+def test_the_admin_log_shows_breaks(admin_client: Client, name: str) -> None:
+    with override_settings(DLOCK_BACKENDS=LOCMEM):
+        held = lock(name).acquire()
+        admin_client.post(reverse(BREAK), break_form(held, confirm="yes"))
+    index = admin_client.get(reverse("admin:index"))
+    assert index.status_code == 200
+    assert name in index.content.decode()  # "Recent actions"
