@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck packaging system-deps clean
+.PHONY: demo test lint typecheck packaging system-deps screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ system-deps:
 
 test: system-deps $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The admin screenshots in docs/img/, taken by the browser test.
+screenshots: system-deps $(STAMP)
+	DLOCK_SCREENSHOT_DIR=docs/img $(BIN)/python -m pytest -q tests/test_admin_browser.py
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

@@ -3,6 +3,7 @@
 #   - headers to build mysqlclient (the MariaDB/MySQL driver Django supports);
 #   - redis-server and redis-cli, which the Redis tests run themselves;
 #   - etcd and etcdctl, which the etcd tests run themselves;
+#   - Chromium, which the admin's browser test drives through Playwright;
 #   - PostgreSQL, MariaDB and RabbitMQ answering on loopback.
 # Idempotent: on a machine that has everything it only checks.
 set -euo pipefail
@@ -15,6 +16,8 @@ command -v redis-cli >/dev/null || need_apt+=(redis-tools)
 # The etcd tests start their own etcd members and drive `etcdctl lock` (etcd 3.4).
 command -v etcd >/dev/null || need_apt+=(etcd-server)
 command -v etcdctl >/dev/null || need_apt+=(etcd-client)
+# The admin's browser test (tests/test_admin_browser.py) runs /usr/bin/chromium headless.
+[[ -x /usr/bin/chromium ]] || need_apt+=(chromium)
 
 if ((${#need_apt[@]})); then
     if [[ $(id -u) -ne 0 ]]; then

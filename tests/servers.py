@@ -254,6 +254,7 @@ class EtcdServer(_ServerProcess):
         if self.scheme != "http":
             wait_for(lambda: port_open("127.0.0.1", self.client_port), 30, f"etcd {self.name}")
             return
+
         def healthy() -> bool:
             # On a loaded machine a health check can outlast its own timeout:
             # that is "not yet", not a failure to start.
