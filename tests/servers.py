@@ -297,10 +297,16 @@ def start_etcd_cluster(ports: list[tuple[int, int]], prefix: str) -> list[EtcdSe
     members = [
         EtcdServer(f"{prefix}{i}", client, peer, cluster) for i, (client, peer) in enumerate(ports)
     ]
-    for member in members:
-        member.start(wait=False)
-    for member in members:
-        member.wait_healthy()
+    try:
+        for member in members:
+            member.start(wait=False)
+        for member in members:
+            member.wait_healthy()
+    except BaseException:
+        # Members that did start must not outlive a cluster that failed to.
+        for member in members:
+            member.cleanup()
+        raise
     return members
 
 
