@@ -101,6 +101,33 @@ def load_holder(text: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
+def load_holders(texts: list[str]) -> tuple[list[dict[str, Any]], bool]:
+    """``[load_holder(t) for t in texts]``, and whether each text is its holder's JSON.
+
+    They are parsed as one JSON array when they all are JSON objects: one
+    parse of a large list costs a fraction of one parse per holder
+    (``manage.py locks`` lists 100,000). Then ``texts[i]`` is the JSON of
+    exactly ``result[i]``, and the second value is True; otherwise each text
+    is parsed alone, as ``load_holder`` does, and it is False.
+
+    The texts are written by ``dump_holder``, one JSON object each. A set of
+    texts crafted to split and rejoin across the commas (only someone who can
+    write the lock service's keys directly could store them) could pair a
+    lease with another's metadata in a listing; it cannot change a lease.
+    """
+    if not texts:
+        return [], True
+    try:
+        values = json.loads(f"[{','.join(texts)}]")
+    except ValueError:
+        values = None
+    if values is None or len(values) != len(texts) or not all(type(v) is dict for v in values):
+        # A text that was not one JSON object ("", "1,2", a list) made the
+        # array invalid or different; read each alone.
+        return [load_holder(text) for text in texts], False
+    return values, True
+
+
 def holder_metadata(ttl: float, extra: Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
     """Who is asking, as a dict and as the JSON stored with the lease.
 

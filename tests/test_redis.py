@@ -7,12 +7,14 @@ only Redis has.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -534,3 +536,62 @@ def test_redlock_waiters_never_queue(name: str) -> None:
         except redis.RedisError:
             continue  # the stopped master
     assert backend.do_release(name, "holder")
+
+
+@pytest.mark.parametrize("alias", ["redis", "redis-cluster", "redlock", "redis-django"])
+def test_list_reads_the_index_page_by_page(
+    alias: str, name: str, redis_servers: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django_dlock.backends import redis as redis_backend
+
+    monkeypatch.setattr(redis_backend, "LIST_PAGE", 3)
+    held = [lock(f"{name}:{i:02d}", backend=alias).acquire() for i in range(10)]
+    try:
+        listed = locks[alias].list(name)
+        assert [(i.name, i.token) for i in listed] == [(h.name, h.token) for h in held]
+        # Page after page on one connection: it is still in step afterwards.
+        assert [i.name for i in locks[alias].list(f"{name}:05")] == [f"{name}:05"]
+    finally:
+        for h in held:
+            h.release()
+
+
+def test_a_listing_stopped_midway_leaves_the_connection_usable(
+    name: str, redis_servers: dict[str, Any]
+) -> None:
+    backend = locks["redis"]
+    assert isinstance(backend, RedisBackend)
+    with lock(f"{name}:a", backend="redis"), lock(f"{name}:b", backend="redis") as b:
+        node = backend.nodes[0]
+        tag = backend._tags[0]
+        low, high = f"[{name}".encode(), f"({name}\xff".encode("utf-8", "surrogateescape")
+        pages = node.pages(node.list, [f"{tag}:idx"], [low, high, f"{tag}:lock:", 1])
+        first = next(pages)  # the second page's call is on its way
+        assert first[2] == f"{name}:a".encode()
+        pages.close()
+        assert backend.do_check(b.name, b.owner)
+
+
+def test_a_holder_that_is_not_json_is_listed_as_unparsed(
+    redis_servers: dict[str, Any], name: str
+) -> None:
+    from django_dlock.holders import as_json
+
+    client = raw(redis_servers["single"])
+    with lock(f"{name}:ok", backend="redis"):
+        # A value written by hand, as an operator might with redis-cli.
+        client.set(
+            f"{{dlock:0}}:lock:{name}:odd", "someone:42:1700000000000000:not json", px=30_000
+        )
+        client.zadd("{dlock:0}:idx", {f"{name}:odd": 0})
+        listed = {info.name: info for info in locks["redis"].list(name)}
+        assert listed[f"{name}:odd"].holder == {"unparsed": "not json"}
+        assert listed[f"{name}:odd"].token == 42
+        assert "pid" in listed[f"{name}:ok"].holder
+        now = datetime.now(timezone.utc)
+        items = [json.loads(as_json(info, now)) for info in listed.values()]
+        assert {item["name"]: item["holder"].get("unparsed") for item in items} == {
+            f"{name}:ok": None,
+            f"{name}:odd": "not json",
+        }
+    locks["redis"].break_lock(f"{name}:odd")

@@ -56,6 +56,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from operator import attrgetter
 from typing import Any, ClassVar
 
 from django.core.checks import CheckMessage
@@ -106,6 +107,9 @@ class LockInfo:
 
     ``acquired_at`` and ``expires_at`` come from the lock service's clock;
     ``expires_in`` is the seconds left by that clock when the list was taken.
+    ``_holder_json`` is the stored text ``holder`` was parsed from, when the
+    backend has it: ``manage.py locks --json`` copies it instead of encoding
+    ``holder`` again.
     """
 
     backend: str
@@ -115,6 +119,7 @@ class LockInfo:
     acquired_at: datetime
     expires_at: datetime
     expires_in: float
+    _holder_json: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -402,7 +407,7 @@ class BaseLockBackend:
         """Live leases whose names start with ``prefix``, sorted by name."""
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}.")
-        return sorted(self.do_list(prefix), key=lambda info: info.name)
+        return sorted(self.do_list(prefix), key=attrgetter("name"))
 
     def break_lock(self, name: str, token: int | None = None) -> bool:
         """Delete the lease on ``name`` whoever holds it; False if nothing was held.

@@ -53,14 +53,15 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from django.core import checks
 
-from .._validation import load_holder, micros_to_datetime
+from .._validation import load_holders
 from ..exceptions import BackendUnavailable, LockConfigurationError
 from .base import BaseLockBackend, Grant, LockInfo
 
@@ -325,17 +326,21 @@ return 1
 """
 )
 
-# List one shard: the index entries in a lexicographic range whose lock is
-# still live, dropping entries whose lease expired. The lock keys are built
-# from ARGV[3]; they carry the shard's hash tag, so they are in this slot.
+# List one page of one shard: up to ARGV[4] index entries in a lexicographic
+# range whose lock is still live, dropping entries whose lease expired. The
+# lock keys are built from ARGV[3]; they carry the shard's hash tag, so they
+# are in this slot. Pages keep each call short: a script blocks the server.
 # KEYS[1] index zset; ARGV[1], ARGV[2] the ZRANGEBYLEX bounds, ARGV[3] the
-# lock key prefix "{tag}:lock:"
-# Returns {now_us, name1, value1, pttl1, name2, ...}.
+# lock key prefix "{tag}:lock:", ARGV[4] the page size
+# Returns {now_us, next, name1, value1, pttl1, name2, ...}, where next is the
+# lower bound of the next page ("(" .. last name), or "" after the last page.
 LIST = (
     _NOW_US
     + """
-local out = {string.format('%d', now_us)}
-for _, name in ipairs(redis.call('zrangebylex', KEYS[1], ARGV[1], ARGV[2])) do
+local page = redis.call('zrangebylex', KEYS[1], ARGV[1], ARGV[2], 'LIMIT', 0, tonumber(ARGV[4]))
+local out = {string.format('%d', now_us), ''}
+if #page == tonumber(ARGV[4]) then out[2] = '(' .. page[#page] end
+for _, name in ipairs(page) do
     local key = ARGV[3] .. name
     local value = redis.call('get', key)
     if not value then
@@ -352,6 +357,9 @@ end
 return out
 """
 )
+
+#: Index entries a LIST call reads: about 10 ms of the server's time.
+LIST_PAGE = 5000
 
 
 @dataclass
@@ -462,18 +470,25 @@ class _Node:
             script.sha = _text(self.command("SCRIPT", "LOAD", script.script))
             return self.command("EVALSHA", script.sha, len(keys), *keys, *args)
 
+    def _checkout(self) -> Any:
+        pool = self.client.connection_pool
+        if not self.dedicated:
+            return pool.get_connection()
+        local = self._local
+        conn = getattr(local, "conn", None)
+        if conn is None or local.pid != os.getpid():
+            conn = local.conn = pool.connection_class(**pool.connection_kwargs)
+            local.pid = os.getpid()
+        return conn
+
+    def _checkin(self, conn: Any) -> None:
+        if not self.dedicated:
+            self.client.connection_pool.release(conn)
+
     def command(self, *args: Any) -> Any:
         if not self.direct:
             return self.client.execute_command(*args)
-        pool = self.client.connection_pool
-        if self.dedicated:
-            local = self._local
-            conn = getattr(local, "conn", None)
-            if conn is None or local.pid != os.getpid():
-                conn = local.conn = pool.connection_class(**pool.connection_kwargs)
-                local.pid = os.getpid()
-        else:
-            conn = pool.get_connection()
+        conn = self._checkout()
         retries = self.retries
         try:
             while True:
@@ -492,8 +507,44 @@ class _Node:
             conn.disconnect()
             raise
         finally:
-            if not self.dedicated:
-                pool.release(conn)
+            self._checkin(conn)
+
+    def pages(self, script: Script, keys: list[Any], args: list[Any]) -> Iterator[Any]:
+        """Replies of ``script`` run page after page, as LIST pages.
+
+        ``args[0]`` is where a page starts and ``reply[1]`` where the next
+        one does (empty after the last). On our own connections the next
+        page's call is sent before this page's reply is handed over, so the
+        server runs it while the caller parses this one.
+        """
+        reply = self.run(script, keys, args)
+        if not self.direct:
+            yield reply
+            while reply[1]:
+                reply = self.run(script, keys, [reply[1], *args[1:]])
+                yield reply
+            return
+        conn = self._checkout()
+        sent = False
+        try:
+            while reply[1]:
+                conn.send_command("EVALSHA", script.sha, len(keys), *keys, reply[1], *args[1:])
+                sent = True
+                yield reply
+                try:
+                    reply = conn.read_response()
+                    sent = False
+                except NoScriptError:
+                    sent = False  # the server lost its scripts meanwhile: load it again
+                    reply = self.run(script, keys, [reply[1], *args[1:]])
+            yield reply
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            if sent:
+                conn.disconnect()  # the caller stopped early: a reply is on its way
+            self._checkin(conn)
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -881,15 +932,14 @@ class RedisBackend(BaseLockBackend):
             found: dict[str, LockInfo] = {}
             try:
                 for tag in self._tags:
-                    reply = node.list(
-                        [f"{tag}:idx"],
-                        [
-                            low.encode("utf-8", "surrogateescape"),
-                            high.encode("utf-8", "surrogateescape"),
-                            f"{tag}:lock:",
-                        ],
-                    )
-                    found.update(self._parse_list(reply))
+                    args = [
+                        low.encode("utf-8", "surrogateescape"),
+                        high.encode("utf-8", "surrogateescape"),
+                        f"{tag}:lock:",
+                        LIST_PAGE,
+                    ]
+                    for reply in node.pages(node.list, [f"{tag}:idx"], args):
+                        found.update(self._parse_list(reply))
             except RedisError as e:
                 if not self.redlock:
                     raise self._unavailable(prefix, e, node) from e
@@ -900,20 +950,26 @@ class RedisBackend(BaseLockBackend):
         return self._merge_quorum(per_node)
 
     def _parse_list(self, reply: list[Any]) -> dict[str, LockInfo]:
+        # Runs for every lease listed (100,000 for manage.py locks --json):
+        # positional arguments and the datetime constructor held in locals.
         now_us = int(reply[0])
+        values = [_text(value).split(":", 3) for value in reply[3::3]]
+        holders, faithful = load_holders([value[3] for value in values])
+        alias, stamp, utc = self.alias, datetime.fromtimestamp, timezone.utc
         found = {}
-        for i in range(1, len(reply), 3):
-            name = _text(reply[i])
-            _owner, token_s, acquired_s, holder = _text(reply[i + 1]).split(":", 3)
-            pttl_ms = int(reply[i + 2])
+        for name, (_owner, token_s, acquired_s, text), holder, pttl in zip(
+            map(_text, reply[2::3]), values, holders, reply[4::3], strict=True
+        ):
+            pttl_ms = int(pttl)
             found[name] = LockInfo(
-                backend=self.alias,
-                name=name,
-                token=int(token_s),
-                holder=load_holder(holder),
-                acquired_at=micros_to_datetime(int(acquired_s)),
-                expires_at=micros_to_datetime(now_us + pttl_ms * 1000),
-                expires_in=pttl_ms / 1000,
+                alias,
+                name,
+                int(token_s),
+                holder,
+                stamp(int(acquired_s) / 1_000_000, utc),  # micros_to_datetime()
+                stamp((now_us + pttl_ms * 1000) / 1_000_000, utc),
+                pttl_ms / 1000,
+                text if faithful else None,
             )
         return found
 
