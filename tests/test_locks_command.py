@@ -352,3 +352,21 @@ def test_watch_on_a_terminal_redraws_in_place(redis_only: str, name: str) -> Non
     frames = output.split(b"\x1b[H\x1b[2J")[1:]
     assert len(frames) >= 3
     assert all(frame.startswith(b"Every 0.2s: locks list") for frame in frames)
+
+
+@override_settings(
+    DLOCK_BACKENDS={
+        "default": {"BACKEND": "django_dlock.backends.locmem.LocMemBackend", "OPTIONS": {"x": 1}}
+    }
+)
+def test_misconfigured_backends_are_reported_not_a_traceback() -> None:
+    error, _ = failing("list")
+    assert error.returncode == 2
+    assert str(error).startswith("DLOCK_BACKENDS is misconfigured:\n  django_dlock.E004: ")
+
+
+@override_settings(DLOCK_BACKENDS=["not", "a", "dict"])
+def test_a_setting_that_is_not_a_dict_is_reported() -> None:
+    error, _ = failing("check")
+    assert error.returncode == 2
+    assert "django_dlock.E001" in str(error)
