@@ -7,7 +7,7 @@ this is the zero-config default: the database backend on SQLite, no servers.
    with which fencing token; the parent checks that each name's tokens
    strictly increase in the order the holders got them.
 2. Background processes hold locks while the parent shows a ``timeout=0``
-   attempt failing and prints the table of held locks.
+   attempt failing and prints ``manage.py locks`` and ``locks show``.
 3. One holder is killed with SIGKILL; its lease expires and the parent takes
    the lock over: no stuck lock.
 4. A real Celery worker (prefork, on kombu's filesystem transport: no broker
@@ -28,12 +28,13 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from datetime import datetime, timezone
+from io import StringIO
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
 from django_dlock import LockTimeout, lock, locks
@@ -153,7 +154,7 @@ class Command(BaseCommand):
             )
 
     def table_while_held(self) -> None:
-        self.say("\n2. Two background processes hold locks; the table of held locks:")
+        self.say("\n2. Two background processes hold locks:")
         holders = [
             self.spawn("--hold", "report:daily", "--note", "nightly report", stdin=True),
             self.spawn("--hold", "invoice:42", "--note", "regenerating PDF", stdin=True),
@@ -166,12 +167,15 @@ class Command(BaseCommand):
                 self.say(self.style.ERROR("  acquired a lock that another process holds!"))
         except LockTimeout as e:
             self.say(f"  timeout=0 on a held lock -> LockTimeout: {e}")
+        self.say("  $ manage.py locks")
         self.print_table()
+        self.say("  $ manage.py locks show report:daily")
+        self.print_table("show", "report:daily")
         for h in holders:
             assert h.stdin is not None
             h.stdin.close()
             h.wait()
-        self.say("  after the holders released:")
+        self.say("  after the holders released, $ manage.py locks")
         self.print_table()
 
     def killed_holder(self) -> None:
@@ -226,7 +230,7 @@ class Command(BaseCommand):
             self.say(f"  worker {worker.pid} ready")
             calls = [(a, build_report.delay(a)) for _ in range(duplicates) for a in accounts]
             time.sleep(1.0)
-            self.say("  while the first calls run, the held locks:")
+            self.say("  while the first calls run, $ manage.py locks")
             self.print_table()
             ran: dict[int, list[int]] = defaultdict(list)
             skipped: dict[int, int] = defaultdict(int)
@@ -255,36 +259,20 @@ class Command(BaseCommand):
         finally:
             worker.terminate()
             worker.wait(timeout=60)
-        self.say("  worker stopped; the locks left:")
+        self.say("  worker stopped, $ manage.py locks")
         self.print_table()
 
     # --- output ---------------------------------------------------------------------
 
-    def print_table(self) -> None:
-        rows = [("BACKEND", "NAME", "TOKEN", "HOLDER", "HELD FOR", "EXPIRES IN", "NOTE")]
-        now = datetime.now(timezone.utc)
-        for alias in locks:
-            for info in locks[alias].list():
-                holder = f"{info.holder.get('host')}:{info.holder.get('pid')}"
-                held_for = max(0.0, (now - info.acquired_at).total_seconds())
-                rows.append(
-                    (
-                        alias,
-                        info.name,
-                        str(info.token),
-                        holder,
-                        f"{held_for:.1f}s",
-                        f"{info.expires_in:.1f}s",
-                        str(info.holder.get("note") or _task_note(info.holder)),
-                    )
-                )
-        if len(rows) == 1:
-            self.say("  (no locks held)")
-            return
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        for n, row in enumerate(rows):
-            line = "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
-            self.say(self.style.SQL_FIELD(line) if n == 0 else line)
+    def print_table(self, *args: str) -> None:
+        """What ``manage.py locks`` prints (the same command, run here), indented."""
+        out = StringIO()
+        try:
+            call_command("locks", *args, stdout=out, no_color=True)
+        except CommandError as e:
+            out.write(f"{e}\n")
+        for line in out.getvalue().splitlines():
+            self.say(f"  {line}" if line else "")
 
     def clock(self) -> str:
         return f"+{time.monotonic() - self.started:6.3f}s"
@@ -292,13 +280,6 @@ class Command(BaseCommand):
     def say(self, text: str) -> None:
         self.stdout.write(text)
         self.stdout.flush()
-
-
-def _task_note(holder: dict[str, Any]) -> str:
-    if not holder.get("task_name"):
-        return ""
-    where = f" on {holder['worker']}" if holder.get("worker") else " (queued)"
-    return f"{holder['task_name']}[{str(holder.get('task_id'))[:8]}]{where}"
 
 
 def argparse_hidden() -> str:
