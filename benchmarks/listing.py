@@ -1,0 +1,206 @@
+"""Listing held locks: ``manage.py locks --json`` with 100,000 leases on Redis.
+
+    .venv/bin/python benchmarks/listing.py                 # about a minute
+    .venv/bin/python benchmarks/listing.py --locks 10000   # smaller
+
+Starts its own redis-server, takes N leases through the backend's own acquire
+primitive (a 600 s TTL, so none expires during the run; a third of them carry
+Celery task metadata), then times, as the median of several runs:
+
+- cli:       ``python -m django locks --json`` as a new process, Django's
+             start-up included, output to /dev/null (the target: under 2 s
+             for 100,000), and its peak RSS;
+- command:   ``call_command("locks", "--json")`` in this process;
+- table:     ``call_command("locks")``, the aligned table, in this process;
+- list():    ``locks["default"].list()`` alone (the LIST script and parsing);
+- peer:      what a hand-written script does without an index: SCAN MATCH
+             over the lock keys, GET and PTTL pipelined per batch, json.dumps
+             of the same fields. Ratios are to this, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import table  # noqa: E402
+
+SETTINGS = "benchmarks.listing_settings"
+TTL = 600
+
+
+def setup_django(url: str) -> None:
+    os.environ["DLOCK_BENCH_REDIS_URL"] = url
+    os.environ["DJANGO_SETTINGS_MODULE"] = SETTINGS
+    import django
+
+    django.setup()
+
+
+def fill(count: int) -> None:
+    """``count`` live leases, taken by the backend's own acquire script."""
+    from django_dlock import locks
+    from django_dlock._validation import holder_metadata, new_owner
+
+    backend = locks["default"]
+    plain = holder_metadata(TTL, None)[1]
+    for i in range(count):
+        if i % 3 == 0:
+            extra = {"task_name": "billing.tasks.sync_account", "task_id": str(uuid.uuid4())}
+            holder = holder_metadata(TTL, extra)[1]
+        else:
+            holder = plain
+        if backend.do_acquire(f"account:{i:06d}:sync", new_owner(), TTL, holder) is None:
+            raise RuntimeError("a lease in the benchmark's fill was refused")
+
+
+def median_of(runs: int, fn: Any) -> float:
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def cli_run(env: dict[str, str]) -> tuple[float, int, int]:
+    """One ``python -m django locks --json`` process: seconds, peak RSS (KiB), items listed."""
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "django", "locks", "--json"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,  # bytes: decoding 38 MB here is not the command's time
+        check=True,
+    )
+    elapsed = time.perf_counter() - started
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return elapsed, rss, len(json.loads(proc.stdout))
+
+
+def peer(url: str) -> str:
+    """SCAN + pipelined GET/PTTL + json.dumps: the script people write without an index."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    items = []
+    batch: list[bytes] = []
+
+    def flush() -> None:
+        pipe = client.pipeline(transaction=False)
+        for key in batch:
+            pipe.get(key)
+            pipe.pttl(key)
+        replies = pipe.execute()
+        for key, value, pttl in zip(batch, replies[::2], replies[1::2], strict=True):
+            if value is None or pttl < 0:
+                continue
+            _owner, token, acquired, holder = value.decode().split(":", 3)
+            items.append(
+                {
+                    "name": key.decode().split(":lock:", 1)[1],
+                    "token": int(token),
+                    "holder": json.loads(holder),
+                    "acquired_us": int(acquired),
+                    "expires_in": pttl / 1000,
+                }
+            )
+        batch.clear()
+
+    for key in client.scan_iter(match="{dlock:0}:lock:*", count=1000):
+        batch.append(key)
+        if len(batch) == 1000:
+            flush()
+    if batch:
+        flush()
+    return json.dumps(items)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--locks", type=int, default=100_000, help="leases to list")
+    parser.add_argument("--runs", type=int, default=5, help="runs per measurement (median)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    from tests.servers import RedisServer, free_port
+
+    server = RedisServer(free_port()).start()
+    try:
+        setup_django(server.url)
+        from django.core.management import call_command
+
+        from django_dlock import locks
+
+        started = time.perf_counter()
+        fill(args.locks)
+        fill_s = time.perf_counter() - started
+        assert len(locks["default"].list()) == args.locks
+
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "DJANGO_SETTINGS_MODULE": SETTINGS,
+            "DLOCK_BENCH_REDIS_URL": server.url,
+        }
+        cli = [cli_run(env) for _ in range(args.runs)]
+        assert all(n == args.locks for _, _, n in cli)
+        cli_s = statistics.median(t for t, _, _ in cli)
+        cli_range = (min(t for t, _, _ in cli), max(t for t, _, _ in cli))
+        cli_rss_mib = max(r for _, r, _ in cli) / 1024
+
+        def command(*extra: str) -> None:
+            call_command("locks", *extra, stdout=io.StringIO())
+
+        results = {
+            "cli": cli_s,
+            "command": median_of(args.runs, lambda: command("--json")),
+            "table": median_of(args.runs, lambda: command()),
+            "list()": median_of(args.runs, lambda: locks["default"].list()),
+            "peer": median_of(args.runs, lambda: peer(server.url)),
+        }
+    finally:
+        server.cleanup()
+
+    peer_s = results["peer"]
+    rows = [["measurement", "seconds", "vs peer"]]
+    for label, seconds in results.items():
+        rows.append([label, f"{seconds:.3f}", f"{seconds / peer_s:.2f}x"])
+    report = (
+        f"{args.locks:,} leases on one redis-server, median of {args.runs} runs "
+        f"(fill: {fill_s:.1f} s)\n\n{table(rows)}\n\n"
+        f"cli: fastest {cli_range[0]:.3f} s, slowest {cli_range[1]:.3f} s, "
+        f"peak RSS {cli_rss_mib:.0f} MiB; the target for cli is under 2 s"
+    )
+    print(report)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "locks": args.locks,
+                    "runs": args.runs,
+                    "seconds": results,
+                    "cli_range": cli_range,
+                    "cli_peak_rss_mib": round(cli_rss_mib, 1),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
