@@ -133,12 +133,15 @@ def test_a_backend_that_does_not_answer_is_reported_and_the_rest_listed(name: st
     down = {"BACKEND": "django_dlock.backends.redis.RedisBackend"}
     down["LOCATION"] = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
     with override_settings(DLOCK_BACKENDS={"default": LOCMEM, "down": down}), lock(name):
-        error, output = failing("--prefix", name)
-        assert error.returncode == 3
-        assert "down" in str(error)
-        lines = output.splitlines()
-        assert lines[0].startswith("down: Redis at redis://:***@127.0.0.1:")
-        assert cells(lines[2])[:2] == ["default", name]
+        out, err = StringIO(), StringIO()
+        with pytest.raises(CommandError) as excinfo:
+            call_command("locks", "--prefix", name, stdout=out, stderr=err, no_color=True)
+        assert excinfo.value.returncode == 3
+        assert "down" in str(excinfo.value)
+        assert err.getvalue().startswith("down: Redis at redis://:***@127.0.0.1:")
+        assert "hunter2" not in err.getvalue()
+        lines = out.getvalue().splitlines()
+        assert cells(lines[1])[:2] == ["default", name]
 
         error, output = failing("check")
         assert error.returncode == 3

@@ -148,16 +148,27 @@ class Command(BaseCommand):
         with _collector_paused():
             listing = holders.current_holders(backend, prefix)
             output = self.render(listing, backend, prefix, as_json)
+        for alias, error in listing.errors.items():
+            self.stderr.write(f"{alias}: {error}")
         self.stdout.write(output)
         self.fail_for(listing)
 
     def render(
-        self, listing: holders.Listing, backend: str | None, prefix: str, as_json: bool
+        self,
+        listing: holders.Listing,
+        backend: str | None,
+        prefix: str,
+        as_json: bool,
+        with_errors: bool = False,
     ) -> str:
+        """The listing as JSON or as a table; ``with_errors`` puts backends' errors first."""
         now = listing.taken_at
         if as_json:
             return "[" + ",".join([holders.as_json(info, now) for info in listing.holders]) + "]"
-        lines = [self.style.ERROR(f"{alias}: {error}") for alias, error in listing.errors.items()]
+        lines = [
+            self.style.ERROR(f"{alias}: {error}")
+            for alias, error in (listing.errors.items() if with_errors else ())
+        ]
         if not listing.holders:
             where = f" on backend {backend!r}" if backend else ""
             under = f" with names starting {prefix!r}" if prefix else ""
@@ -180,11 +191,18 @@ class Command(BaseCommand):
                 listing = holders.current_holders(backend, prefix)
                 if as_json:
                     # One JSON document per refresh, each on one line (NDJSON).
+                    for alias, error in listing.errors.items():
+                        self.stderr.write(f"{alias}: {error}")
                     self.stdout.write(self.render(listing, backend, prefix, as_json=True))
                 else:
-                    frame = self.render(listing, backend, prefix, as_json=False)
+                    # On a screen that is redrawn, errors belong in the frame.
+                    frame = self.render(listing, backend, prefix, as_json=False, with_errors=True)
                     stamp = listing.taken_at.strftime("%Y-%m-%d %H:%M:%S UTC")
-                    title = f"Every {interval:g}s: locks list {_on(backend)}".rstrip()
+                    title = f"Every {interval:g}s: locks list" + "".join(
+                        f" --{option} {value}"
+                        for option, value in (("backend", backend), ("prefix", prefix))
+                        if value
+                    )
                     self.stdout.write(
                         (_CLEAR if in_place else "") + f"{title}    {stamp}\n\n{frame}\n"
                     )
