@@ -132,7 +132,7 @@ def test_break_a_lock_held_by_another_process_in_the_browser(
             page.fill("#id_password", PASSWORD)
             page.click("input[type=submit]")
             page.get_by_role("link", name="Locks", exact=True).click()
-            expect(page.locator("h1")).to_have_text("Locks")
+            expect(page.locator("#content h1")).to_have_text("Locks")
 
             row = page.locator('tr.lock[data-name="report:daily"]')
             expect(row.locator("td.field-token")).to_have_text(str(token))
@@ -146,7 +146,7 @@ def test_break_a_lock_held_by_another_process_in_the_browser(
             assert _screenshot(page, tmp_path, "admin-locks.png").stat().st_size > 0
 
             row.get_by_role("button", name="Break…").click()
-            expect(page.locator("h1")).to_have_text("Are you sure?")
+            expect(page.locator("#content h1")).to_have_text("Are you sure?")
             expect(page.locator(".lock-name")).to_have_text("report:daily")
             expect(page.locator("#lock-summary")).to_contain_text(str(token))
             _screenshot(page, tmp_path, "admin-break-confirmation.png")
