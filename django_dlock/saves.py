@@ -1,0 +1,203 @@
+"""Model saves and deletes under a lock: ``LockedSaveMixin`` and ``locked_save()``.
+
+The lock's name is a template over the instance: ``{app_label}``,
+``{model_name}``, ``{pk}`` and any attribute (``"{app_label}.{model_name}:{pk}"``
+is the default). When the model is a ``FencedModel``, the save is also fenced
+with the lock's token, so a holder that paused past its lease cannot
+overwrite a newer holder's row.
+
+``release_on_commit=True`` keeps the lock until the surrounding transaction
+ends. Inside ``transaction.atomic()`` the release is registered with
+``transaction.on_commit()``. If the transaction, or the savepoint the save
+ran in, rolls back instead, Django drops that callback, and the lock is
+released as the callback is freed. That relies on CPython freeing it at once
+(reference counting). Elsewhere the lease is released when the callback is
+garbage-collected, or ends at its TTL. Outside a transaction the lock is
+released as soon as the save returns.
+"""
+
+from __future__ import annotations
+
+import string
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from django.db import models, router, transaction
+
+from .fencing import FencedModel
+from .lock import HeldLock, lock
+
+DEFAULT_KEY = "{app_label}.{model_name}:{pk}"
+
+
+class _InstanceFields(string.Formatter):
+    def get_value(self, key: Any, args: Any, kwargs: Any) -> Any:
+        instance = kwargs["instance"]
+        if key == "app_label":
+            return instance._meta.app_label
+        if key == "model_name":
+            return instance._meta.model_name
+        return getattr(instance, key)
+
+
+def lock_name(instance: models.Model, template: str = DEFAULT_KEY) -> str:
+    """The lock name ``template`` gives for ``instance``."""
+    if instance.pk is None and "{pk}" in template:
+        raise ValueError(
+            f"Cannot lock {type(instance).__name__} by {template!r} before it has a primary key."
+        )
+    return _InstanceFields().format(template, instance=instance)
+
+
+class _Release:
+    """The ``on_commit`` callback; freeing it uncalled (a rollback) releases too."""
+
+    def __init__(self, held: HeldLock) -> None:
+        self.held = held
+        self._finalizer = weakref.finalize(self, held._release_quietly)
+
+    def __call__(self) -> None:
+        self._finalizer()
+
+
+def _under_lock(
+    instance: models.Model,
+    write: Callable[[HeldLock], Any],
+    *,
+    key: str,
+    backend: str,
+    ttl: float | None,
+    timeout: float | None,
+    release_on_commit: bool,
+    using: str | None,
+) -> Any:
+    held = lock(lock_name(instance, key), backend=backend, ttl=ttl, timeout=timeout).acquire()
+    db = using or router.db_for_write(type(instance), instance=instance)
+    try:
+        result = write(held)
+    except BaseException:
+        held._release_quietly()
+        raise
+    if release_on_commit and transaction.get_connection(db).in_atomic_block:
+        transaction.on_commit(_Release(held), using=db)
+    else:
+        held.release()
+    return result
+
+
+def locked_save(
+    instance: models.Model,
+    *,
+    key: str = DEFAULT_KEY,
+    backend: str = "default",
+    ttl: float | None = None,
+    timeout: float | None = 10,
+    release_on_commit: bool = False,
+    **save_kwargs: Any,
+) -> HeldLock:
+    """``instance.save(**save_kwargs)`` while holding the instance's lock.
+
+    Fenced with the lock's token when the model is a ``FencedModel``. Raises
+    ``LockTimeout`` if the lock is not acquired within ``timeout`` seconds,
+    and ``StaleWrite`` if a newer holder has written the row. Returns the
+    handle (released, or to be released at commit).
+    """
+    # A LockedSaveMixin's own save() would take the same lock again.
+    save: Callable[..., None] = (
+        super(LockedSaveMixin, instance).save
+        if isinstance(instance, LockedSaveMixin)
+        else instance.save
+    )
+
+    def write(held: HeldLock) -> HeldLock:
+        if isinstance(instance, FencedModel):
+            save(fencing_token=held.token, **save_kwargs)
+        else:
+            save(**save_kwargs)
+        return held
+
+    return _under_lock(  # type: ignore[no-any-return]
+        instance,
+        write,
+        key=key,
+        backend=backend,
+        ttl=ttl,
+        timeout=timeout,
+        release_on_commit=release_on_commit,
+        using=save_kwargs.get("using"),
+    )
+
+
+def locked_delete(
+    instance: models.Model,
+    *,
+    key: str = DEFAULT_KEY,
+    backend: str = "default",
+    ttl: float | None = None,
+    timeout: float | None = 10,
+    release_on_commit: bool = False,
+    **delete_kwargs: Any,
+) -> Any:
+    """``instance.delete(**delete_kwargs)`` while holding the instance's lock."""
+    return _under_lock(
+        instance,
+        lambda held: instance.delete(**delete_kwargs),
+        key=key,
+        backend=backend,
+        ttl=ttl,
+        timeout=timeout,
+        release_on_commit=release_on_commit,
+        using=delete_kwargs.get("using"),
+    )
+
+
+class LockedSaveMixin(models.Model):
+    """``save()`` and ``delete()`` take the instance's lock (see ``locked_save``).
+
+    Class attributes: ``lock_key`` (a template, default
+    ``"{app_label}.{model_name}:{pk}"``), ``lock_backend``, ``lock_ttl``,
+    ``lock_timeout`` and ``release_on_commit``. A new instance is saved
+    without the lock when the key needs a primary key it does not have yet.
+    """
+
+    lock_key: str = DEFAULT_KEY
+    lock_backend: str = "default"
+    lock_ttl: float | None = None
+    lock_timeout: float | None = 10
+    release_on_commit: bool = False
+
+    class Meta:
+        abstract = True
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if args or (self.pk is None and "{pk}" in self.lock_key):
+            super().save(*args, **kwargs)
+            return
+        plain_save: Callable[..., None] = super().save
+
+        def write(held: HeldLock) -> None:
+            if isinstance(self, FencedModel) and "fencing_token" not in kwargs:
+                plain_save(fencing_token=held.token, **kwargs)
+            else:
+                plain_save(**kwargs)
+
+        _under_lock(self, write, using=kwargs.get("using"), **self._lock_options())
+
+    def delete(self, *args: Any, **kwargs: Any) -> Any:
+        plain_delete = super().delete
+        return _under_lock(
+            self,
+            lambda held: plain_delete(*args, **kwargs),
+            using=kwargs.get("using"),
+            **self._lock_options(),
+        )
+
+    def _lock_options(self) -> dict[str, Any]:
+        return {
+            "key": self.lock_key,
+            "backend": self.lock_backend,
+            "ttl": self.lock_ttl,
+            "timeout": self.lock_timeout,
+            "release_on_commit": self.release_on_commit,
+        }
