@@ -229,6 +229,20 @@ class HeldLock:
                 held=self,
             )
 
+    # --- async: the same calls in a worker thread, so the event loop never blocks.
+
+    async def aensure(self) -> None:
+        """:meth:`ensure`, awaited."""
+        await asyncio.to_thread(self.ensure)
+
+    async def aextend(self, ttl: float | None = None) -> None:
+        """:meth:`extend`, awaited."""
+        await asyncio.to_thread(self.extend, ttl)
+
+    async def arelease(self) -> None:
+        """:meth:`release`, awaited."""
+        await asyncio.to_thread(self.release)
+
     def detach(self) -> dict[str, Any]:
         """Hand the lease over: stop renewing it here and return a ticket for another process.
 
@@ -476,6 +490,18 @@ class Lock:
     def release(self) -> None:
         """Release the latest acquisition of this object in the current thread or task."""
         self._pop().release()
+
+    async def aacquire(
+        self, timeout: float | None = _UNSET, *, name: str | None = None
+    ) -> HeldLock:
+        """:meth:`acquire`, awaited: the attempts and waits run in a worker thread."""
+        held = await asyncio.to_thread(self._acquire, timeout, name)
+        self._push(held)
+        return held
+
+    async def arelease(self) -> None:
+        """:meth:`release`, awaited."""
+        await asyncio.to_thread(self._pop().release)
 
     def __enter__(self) -> HeldLock:
         return self.acquire()

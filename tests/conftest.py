@@ -135,9 +135,13 @@ def _no_leaked_threads() -> Iterator[None]:
 def _long_lived(thread: threading.Thread) -> bool:
     """Threads that live as long as the process by design.
 
-    The watchdog and the etcd backend's watch stream, and gRPC's own threads
-    that serve that stream (they end with it).
+    The watchdog and the etcd backend's watch stream, gRPC's own threads
+    that serve that stream (they end with it), and asgiref's executor thread.
     """
+    from asgiref.sync import SyncToAsync
+
+    if thread in getattr(SyncToAsync.single_thread_executor, "_threads", ()):
+        return True  # asgiref's one thread for sync code called from async (AsyncClient)
     target = getattr(thread, "_target", None)
     return thread.name.startswith("django-dlock-") or (
         getattr(target, "__module__", "") or ""

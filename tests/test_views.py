@@ -1,0 +1,138 @@
+"""Lock-guarded views, sync and async, function and class based, with concurrent requests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.test import AsyncClient, Client, override_settings
+
+from django_dlock import lock
+from tests import views
+
+pytestmark = pytest.mark.urls("tests.urls")
+
+
+@pytest.fixture(autouse=True)
+def _gates() -> Iterator[None]:
+    views.gate.clear()
+    views.entered.clear()
+    yield
+    views.gate.set()  # never leave a request thread waiting
+
+
+def _concurrently(url: str) -> tuple[Any, Any, Any]:
+    """A first request that holds the lock, a second while it does, a third after."""
+    first: list[Any] = []
+    thread = threading.Thread(target=lambda: first.append(Client().get(url)))
+    thread.start()
+    assert views.entered.wait(timeout=30)
+    second = Client().get(url)
+    views.gate.set()
+    thread.join(timeout=30)
+    third = Client().get(url)
+    return first[0], second, third
+
+
+@pytest.mark.parametrize(
+    "url", ["/order/1/", "/class/order/2/", "/redis/order/3/"], ids=["function", "class", "redis"]
+)
+def test_a_request_that_finds_the_lock_held_gets_423(
+    url: str, request: pytest.FixtureRequest
+) -> None:
+    if "redis" in url:
+        request.getfixturevalue("redis_servers")
+    first, second, third = _concurrently(url)
+    assert first.status_code == 200
+    assert second.status_code == 423
+    # The holder's lease is 20 s, renewed every ttl/3: what is left of it.
+    assert 1 <= int(second["Retry-After"]) <= 20
+    assert "is locked by another request" in second.content.decode()
+    assert third.status_code == 200
+
+
+def test_the_status_can_be_409_and_requests_for_other_keys_pass() -> None:
+    with lock("order:5", backend="locmem", ttl=7):
+        response = Client().get("/409/order/5/")
+        assert response.status_code == 409
+        assert 1 <= int(response["Retry-After"]) <= 7
+        assert Client().get("/409/order/6/").status_code == 200
+
+
+def test_timeout_waits_for_the_holder() -> None:
+    held = lock("order:8", backend="locmem").acquire()
+    threading.Timer(0.3, held.release).start()
+    response = Client().get("/waits/order/8/")
+    assert (response.status_code, response.content) == (200, b"waited")
+
+
+@pytest.mark.django_db
+def test_the_key_can_name_the_user(django_user_model: Any) -> None:
+    alice = django_user_model.objects.create_user("alice")
+    bob = django_user_model.objects.create_user("bob")
+    with lock(f"cart:{alice.pk}", backend="locmem"):
+        as_alice, as_bob = Client(), Client()
+        as_alice.force_login(alice)
+        as_bob.force_login(bob)
+        assert as_alice.get("/cart/").status_code == 423
+        assert as_bob.get("/cart/").status_code == 200
+
+
+def test_a_key_that_names_an_unknown_argument_is_an_error() -> None:
+    with pytest.raises(ValueError, match="names 'missing', which is neither a URL keyword"):
+        Client().get("/misnamed/1/")
+
+
+def test_the_lock_is_released_when_the_view_raises() -> None:
+    with pytest.raises(RuntimeError, match="the view failed"):
+        Client().post("/class/order/9/")
+    assert Client().get("/409/order/9/").status_code == 200
+
+
+@pytest.mark.parametrize("url", ["/async/order/11/", "/async-class/order/12/"])
+def test_async_views_answer_423_while_held(url: str) -> None:
+    async def scenario() -> tuple[Any, Any, Any]:
+        views.async_gate = asyncio.Event()
+        client = AsyncClient()
+        first = asyncio.create_task(client.get(url))
+        while not views.entered.is_set():
+            await asyncio.sleep(0.01)
+        second = await client.get(url)
+        views.async_gate.set()
+        return await first, second, await client.get(url)
+
+    first, second, third = asyncio.run(scenario())
+    assert first.status_code == 200 and "async" in first.content.decode()
+    assert second.status_code == 423
+    assert third.status_code == 200
+
+
+def test_bad_options_fail_where_the_view_is_defined() -> None:
+    from django_dlock.views import lock_view
+
+    with pytest.raises(TypeError, match="non-empty str"):
+        lock_view("")
+    with pytest.raises(ValueError):
+        lock_view("x:{id}", ttl=-1)
+
+
+@override_settings(
+    DLOCK_BACKENDS={"default": {"BACKEND": "django_dlock.backends.locmem.LocMemBackend"}}
+)
+def test_the_default_backend_is_used_when_none_is_named() -> None:
+    from django_dlock.views import lock_view
+
+    @lock_view("plain:{n}")
+    def plain(request: Any, n: int) -> Any:
+        from django.http import HttpResponse
+
+        return HttpResponse("ok")
+
+    from django.test import RequestFactory
+
+    with lock("plain:1"):
+        assert plain(RequestFactory().get("/"), n=1).status_code == 423
+    assert plain(RequestFactory().get("/"), n=1).status_code == 200

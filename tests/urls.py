@@ -1,0 +1,17 @@
+"""URLs for tests/test_views.py."""
+
+from django.urls import path
+
+from tests import views
+
+urlpatterns = [
+    path("order/<int:order_id>/", views.order),
+    path("redis/order/<int:order_id>/", views.order_redis),
+    path("409/order/<int:order_id>/", views.order_409),
+    path("waits/order/<int:order_id>/", views.order_waits),
+    path("cart/", views.cart),
+    path("misnamed/<int:order_id>/", views.misnamed),
+    path("async/order/<int:order_id>/", views.async_order),
+    path("class/order/<int:order_id>/", views.OrderView.as_view()),
+    path("async-class/order/<int:order_id>/", views.AsyncOrderView.as_view()),
+]

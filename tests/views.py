@@ -1,0 +1,86 @@
+"""Views for tests/test_views.py: each holds its lock until the test lets it go."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from django.http import HttpRequest, HttpResponse
+from django.views import View
+
+from django_dlock.views import LockRequiredMixin, lock_view
+
+#: Set by a test: a guarded view waits on it while holding its lock.
+gate = threading.Event()
+#: Set by the view once it runs (it holds the lock then).
+entered = threading.Event()
+async_gate: asyncio.Event | None = None
+
+
+def _hold() -> None:
+    entered.set()
+    gate.wait(timeout=30)
+
+
+@lock_view("order:{order_id}", backend="locmem", ttl=20)
+def order(request: HttpRequest, order_id: int) -> HttpResponse:
+    _hold()
+    return HttpResponse(f"order {order_id}")
+
+
+@lock_view("order:{order_id}", backend="redis", ttl=20)
+def order_redis(request: HttpRequest, order_id: int) -> HttpResponse:
+    _hold()
+    return HttpResponse(f"order {order_id}")
+
+
+@lock_view("order:{order_id}", backend="locmem", status=409)
+def order_409(request: HttpRequest, order_id: int) -> HttpResponse:
+    return HttpResponse("ok")
+
+
+@lock_view("order:{order_id}", backend="locmem", timeout=10)
+def order_waits(request: HttpRequest, order_id: int) -> HttpResponse:
+    return HttpResponse("waited")
+
+
+@lock_view("cart:{user_pk}", backend="locmem")
+def cart(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("cart")
+
+
+@lock_view("order:{missing}", backend="locmem")
+def misnamed(request: HttpRequest, order_id: int) -> HttpResponse:
+    return HttpResponse("never")
+
+
+@lock_view("order:{order_id}", backend="locmem", ttl=20)
+async def async_order(request: HttpRequest, order_id: int) -> HttpResponse:
+    assert async_gate is not None
+    entered.set()
+    await async_gate.wait()
+    return HttpResponse(f"async order {order_id}")
+
+
+class OrderView(LockRequiredMixin, View):
+    lock_key = "order:{order_id}"
+    lock_backend = "locmem"
+    lock_ttl = 20
+
+    def get(self, request: HttpRequest, order_id: int) -> HttpResponse:
+        _hold()
+        return HttpResponse(f"class order {order_id}")
+
+    def post(self, request: HttpRequest, order_id: int) -> HttpResponse:
+        raise RuntimeError("the view failed")
+
+
+class AsyncOrderView(LockRequiredMixin, View):
+    lock_key = "order:{order_id}"
+    lock_backend = "locmem"
+
+    async def get(self, request: HttpRequest, order_id: int) -> HttpResponse:
+        assert async_gate is not None
+        entered.set()
+        await async_gate.wait()
+        return HttpResponse(f"async class order {order_id}")
