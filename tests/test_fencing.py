@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from django.conf import settings
 from django.db import connections, transaction
+from django.db.models.signals import post_save
 
 from django_dlock import LockTimeout, StaleWrite, lock
 from django_dlock.backends.base import BaseLockBackend
@@ -54,9 +55,19 @@ def test_a_fenced_save_refuses_an_older_token_and_leaves_the_row(db: str) -> Non
     doc.save(fencing_token=10, using=db)
     assert Document.objects.using(db).get(pk=doc.pk).fence == 10
 
+    saved: list[int] = []
+
+    def on_save(sender: Any, instance: Document, **kwargs: Any) -> None:
+        saved.append(instance.fence)
+
+    post_save.connect(on_save, Document)
     newer = Document.objects.using(db).get(pk=doc.pk)
     newer.body = "by 12"
-    newer.save(fencing_token=12, using=db)
+    try:
+        newer.save(fencing_token=12, using=db)
+    finally:
+        post_save.disconnect(on_save, Document)
+    assert saved == [12]  # Django's own save path: its signals are sent
     newer.body = "by 12, again"
     newer.save(fencing_token=12, using=db)  # the same lease writing twice
 
