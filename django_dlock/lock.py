@@ -23,7 +23,6 @@ repeated carry ``held.token`` and the storage refuses the older token.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import logging
@@ -171,6 +170,11 @@ class HeldLock:
         One round trip. The confirmation is for this instant: a write that
         follows should still carry :attr:`token`.
         """
+        self._before_ensure()
+        if not self.backend.do_check(self.name, self.owner):
+            self._ensure_refused()
+
+    def _before_ensure(self) -> None:
         if self._state in (_RELEASED, _DETACHED):
             raise self._error(LockLost, f"was {self._state}")
         if self._state == _LOST:
@@ -178,9 +182,10 @@ class HeldLock:
         if self.expires_in <= 0:
             self._mark_lost("its lease ran out before it could be renewed")
             raise self._error(LockLost, f"was lost: {self.lost_reason}")
-        if not self.backend.do_check(self.name, self.owner):
-            self._mark_lost("the lock service no longer has this lease (expired or broken)")
-            raise self._error(LockLost, f"was lost: {self.lost_reason}")
+
+    def _ensure_refused(self) -> None:
+        self._mark_lost("the lock service no longer has this lease (expired or broken)")
+        raise self._error(LockLost, f"was lost: {self.lost_reason}")
 
     def extend(self, ttl: float | None = None) -> None:
         """Make the lease run ``ttl`` seconds from now (default: its current TTL).
@@ -188,11 +193,18 @@ class HeldLock:
         The new TTL also becomes the renewal period's basis. Raises
         :class:`LockNotOwned` (a :class:`LockLost`) if the lease is gone.
         """
+        ttl = self._before_extend(ttl)
+        sent = time.monotonic()
+        self._after_extend(self.backend.do_extend(self.name, self.owner, ttl), sent, ttl)
+
+    def _before_extend(self, ttl: float | None) -> float:
         ttl = self.ttl if ttl is None else validate_ttl(ttl)
         if self._state != _HELD:
             raise self._error(LockNotOwned, f"cannot be extended: it was {self._state}")
-        sent = time.monotonic()
-        if not self.backend.do_extend(self.name, self.owner, ttl):
+        return ttl
+
+    def _after_extend(self, extended: bool, sent: float, ttl: float) -> None:
+        if not extended:
             self._mark_lost("extend was refused: the lease expired or was broken")
             raise self._error(LockNotOwned, "cannot be extended: the lease is gone")
         self._renewed(sent, ttl)
@@ -204,15 +216,23 @@ class HeldLock:
         :class:`LockNotOwned` when the lease had already expired or been
         broken, since then the work done under it was not protected to the end.
         """
+        was_lost = self._before_release()
+        if was_lost is not None:
+            self._after_release(self.backend.do_release(self.name, self.owner), was_lost)
+
+    def _before_release(self) -> bool | None:
+        """Mark the handle released; None if it already was (nothing to do), else was_lost."""
         with self._mutex:
             if self._state in (_RELEASED, _DETACHED):
-                return
+                return None
             was_lost = self._state == _LOST
             self._state = _RELEASED
         # Stop renewing first: if the release cannot reach the service, the
         # lease must still run out rather than be kept alive by the watchdog.
         get_watchdog().cancel(self)
-        released = self.backend.do_release(self.name, self.owner)
+        return was_lost
+
+    def _after_release(self, released: bool, was_lost: bool) -> None:
         if not released:
             if not was_lost:
                 self.lost_reason = "release was refused: the lease expired or was broken"
@@ -229,19 +249,26 @@ class HeldLock:
                 held=self,
             )
 
-    # --- async: the same calls in a worker thread, so the event loop never blocks.
+    # --- async: the backend's awaitable primitives (native, or a worker thread).
 
     async def aensure(self) -> None:
         """:meth:`ensure`, awaited."""
-        await asyncio.to_thread(self.ensure)
+        self._before_ensure()
+        if not await self.backend.ado_check(self.name, self.owner):
+            self._ensure_refused()
 
     async def aextend(self, ttl: float | None = None) -> None:
         """:meth:`extend`, awaited."""
-        await asyncio.to_thread(self.extend, ttl)
+        ttl = self._before_extend(ttl)
+        sent = time.monotonic()
+        extended = await self.backend.ado_extend(self.name, self.owner, ttl)
+        self._after_extend(extended, sent, ttl)
 
     async def arelease(self) -> None:
         """:meth:`release`, awaited."""
-        await asyncio.to_thread(self.release)
+        was_lost = self._before_release()
+        if was_lost is not None:
+            self._after_release(await self.backend.ado_release(self.name, self.owner), was_lost)
 
     def detach(self) -> dict[str, Any]:
         """Hand the lease over: stop renewing it here and return a ticket for another process.
@@ -374,6 +401,16 @@ def _release_on_exit(held: HeldLock, body_raised: bool) -> None:
         logger.warning("Releasing %r after an exception failed", held, exc_info=True)
 
 
+async def _arelease_on_exit(held: HeldLock, body_raised: bool) -> None:
+    """``_release_on_exit``, awaited."""
+    try:
+        await held.arelease()
+    except (LockLost, BackendUnavailable):
+        if not body_raised:
+            raise
+        logger.warning("Releasing %r after an exception failed", held, exc_info=True)
+
+
 # What each Lock acquired in this context (thread or asyncio task), innermost last.
 # Weak references: the Lock object keeps its own handles alive, so dropping the
 # Lock (and the handle) lets the watchdog stop renewing and the lease expire.
@@ -494,14 +531,14 @@ class Lock:
     async def aacquire(
         self, timeout: float | None = _UNSET, *, name: str | None = None
     ) -> HeldLock:
-        """:meth:`acquire`, awaited: the attempts and waits run in a worker thread."""
-        held = await asyncio.to_thread(self._acquire, timeout, name)
+        """:meth:`acquire`, awaited: the backend's awaitable primitives, no blocking call."""
+        held = await self._aacquire(timeout, name)
         self._push(held)
         return held
 
     async def arelease(self) -> None:
         """:meth:`release`, awaited."""
-        await asyncio.to_thread(self._pop().release)
+        await self._pop().arelease()
 
     def __enter__(self) -> HeldLock:
         return self.acquire()
@@ -510,13 +547,10 @@ class Lock:
         _release_on_exit(self._pop(), exc_type is not None)
 
     async def __aenter__(self) -> HeldLock:
-        held = await asyncio.to_thread(self._acquire, _UNSET, None)
-        self._push(held)
-        return held
+        return await self.aacquire()
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        held = self._pop()
-        await asyncio.to_thread(_release_on_exit, held, exc_type is not None)
+        await _arelease_on_exit(self._pop(), exc_type is not None)
 
     def __call__(self, func: F) -> F:
         """Decorate ``func`` so each call runs under the lock, the key built from its arguments."""
@@ -527,13 +561,13 @@ class Lock:
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                held = await asyncio.to_thread(self._acquire, _UNSET, key_for(args, kwargs))
+                held = await self._aacquire(_UNSET, key_for(args, kwargs))
                 try:
                     result = await func(*args, **kwargs)
                 except BaseException:
-                    await asyncio.to_thread(_release_on_exit, held, True)
+                    await _arelease_on_exit(held, True)
                     raise
-                await asyncio.to_thread(_release_on_exit, held, False)
+                await _arelease_on_exit(held, False)
                 return result
 
             return cast(F, async_wrapper)
@@ -549,7 +583,15 @@ class Lock:
 
     def _acquire(self, timeout: float | None, name: str | None) -> HeldLock:
         # Everything but a templated key was validated when the Lock was made.
-        return locks[self.backend]._acquire(
+        return locks[self.backend]._acquire(*self._arguments(timeout, name))
+
+    async def _aacquire(self, timeout: float | None, name: str | None) -> HeldLock:
+        return await locks[self.backend]._aacquire(*self._arguments(timeout, name))
+
+    def _arguments(
+        self, timeout: float | None, name: str | None
+    ) -> tuple[str, float | None, float | None, Mapping[str, Any] | None, bool]:
+        return (
             self.name if name is None else validate_name(name),
             self.ttl,
             self.timeout if timeout is _UNSET else validate_timeout(timeout),

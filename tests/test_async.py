@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -67,3 +69,50 @@ def test_async_waiters_are_woken_by_a_release(backend_alias: str, name: str) -> 
         return order
 
     assert asyncio.run(scenario()) == ["release", "waiter"]
+
+
+class _NoWorkerThreads(ThreadPoolExecutor):
+    """A default executor that fails the test if anything is offloaded to a thread."""
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the async API used a worker thread")
+
+
+@pytest.mark.backends("redis", "redis-fair")
+def test_redis_is_native_async_with_no_worker_thread(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    assert backend.native_async
+
+    async def scenario() -> list[int]:
+        asyncio.get_running_loop().set_default_executor(_NoWorkerThreads())
+        order: list[int] = []
+
+        async def worker(n: int) -> None:
+            async with lock(name, backend=backend_alias, timeout=30) as held:
+                await held.aensure()
+                await held.aextend(30)
+                order.append(n)
+                await asyncio.sleep(0.02)
+
+        first = await lock(name, backend=backend_alias).aacquire()
+        tasks = []
+        for n in range(5):
+            tasks.append(asyncio.create_task(worker(n)))
+            await asyncio.sleep(0.05)  # they queue in this order
+        with pytest.raises(LockTimeout):
+            await lock(name, backend=backend_alias, timeout=0.1).aacquire()
+        await first.arelease()
+        await asyncio.gather(*tasks)
+        return order
+
+    order = asyncio.run(scenario())
+    assert sorted(order) == [0, 1, 2, 3, 4]
+    if backend_alias == "redis-fair":
+        assert order == [0, 1, 2, 3, 4]  # FIFO, woken by hand-overs, not polling
+    assert backend.list(name) == []
+
+
+@pytest.mark.backends("redis-cluster", "redlock", "etcd", "db-sqlite", "locmem")
+def test_other_backends_offload_to_a_worker_thread(backend: BaseLockBackend) -> None:
+    assert not backend.native_async

@@ -25,6 +25,10 @@ single-attempt primitives, as redis-py's ``Lock.acquire`` delegates to
     ``token`` when that is not None; return whether a lease was deleted.
 ``do_list(prefix)``
     The live leases whose names start with ``prefix``.
+``ado_acquire`` / ``ado_release`` / ``ado_extend`` / ``ado_check`` / ``ado_abandon`` / ``await_``
+    The same, awaitable, for the async API. The defaults run the sync
+    primitive in a worker thread; a backend that sets ``native_async`` talks
+    to the service from the event loop (Redis on one server).
 ``do_ping()``
     One round trip to the service; return its name and version
     (``"Redis 7.0.15"``) and warnings about parts of it that did not answer
@@ -50,10 +54,11 @@ skips, with the reason, what a backend declares it cannot do.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from operator import attrgetter
@@ -260,6 +265,33 @@ class BaseLockBackend:
     def close(self) -> None:
         """Release client resources; held leases are left to expire or be released."""
 
+    # --- awaitable primitives: a worker thread each, unless the backend has native ones.
+
+    #: The awaitable primitives talk to the service from the event loop
+    #: itself; otherwise an async acquire runs the sync one in a worker thread.
+    #: (An instance attribute: for Redis it depends on the settings.)
+    native_async: bool = False
+
+    async def ado_acquire(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
+    ) -> int | Grant | None:
+        return await asyncio.to_thread(self.do_acquire, name, owner, ttl, holder, renew)
+
+    async def ado_release(self, name: str, owner: str) -> bool:
+        return await asyncio.to_thread(self.do_release, name, owner)
+
+    async def ado_extend(self, name: str, owner: str, ttl: float) -> bool:
+        return await asyncio.to_thread(self.do_extend, name, owner, ttl)
+
+    async def ado_check(self, name: str, owner: str) -> bool:
+        return await asyncio.to_thread(self.do_check, name, owner)
+
+    async def ado_abandon(self, name: str, owner: str) -> None:
+        await asyncio.to_thread(self.do_abandon, name, owner)
+
+    async def await_(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
+        await asyncio.to_thread(self.wait, name, owner, remaining, attempt)
+
     # --- public API -----------------------------------------------------------------
 
     def acquire(
@@ -283,15 +315,21 @@ class BaseLockBackend:
             renew,
         )
 
-    def _acquire(
+    def _acquisition(
         self,
         name: str,
         ttl: float | None,
         timeout: float | None,
         metadata: Mapping[str, Any] | None,
         renew: bool,
-    ) -> HeldLock:
-        """``acquire()`` with arguments already validated (``Lock`` checks them once)."""
+    ) -> Generator[tuple[str, tuple[Any, ...]], Any, HeldLock]:
+        """The blocking loop of ``acquire()``, without its I/O.
+
+        It yields ``(primitive, arguments)`` for each call to the lock service
+        ("acquire", "wait", "abandon"), and is sent each call's result or
+        thrown its exception. ``_acquire`` drives it with the sync primitives,
+        and ``_aacquire`` with the awaitable ones, so both share one loop.
+        """
         if ttl is None:
             ttl = self.default_ttl
         owner = new_owner()
@@ -302,7 +340,7 @@ class BaseLockBackend:
         try:
             while True:
                 sent = time.monotonic()
-                result = self.do_acquire(name, owner, ttl, holder_text, renew=renew)
+                result = yield ("acquire", (name, owner, ttl, holder_text, renew))
                 if result is not None:
                     break
                 refused = True
@@ -314,17 +352,81 @@ class BaseLockBackend:
                         name=name,
                         backend=self.alias,
                     )
-                self.wait(name, owner, remaining, attempt)
+                yield ("wait", (name, owner, remaining, attempt))
                 attempt += 1
         except BaseException:
             if refused:
-                self._abandon_quietly(name, owner)
+                try:
+                    yield ("abandon", (name, owner))
+                except Exception:
+                    # The queue entry expires on its own; the caller's error matters more.
+                    logger.warning("Could not leave the wait queue of %r on %r", name, self.alias)
             raise
         if isinstance(result, Grant):
             token, expires, lease = result.token, result.expires, result.lease
         else:
             token, expires, lease = result, sent + ttl, ttl
         return HeldLock._granted(self, name, owner, token, ttl, expires, lease, holder, renew)
+
+    def _acquire(
+        self,
+        name: str,
+        ttl: float | None,
+        timeout: float | None,
+        metadata: Mapping[str, Any] | None,
+        renew: bool,
+    ) -> HeldLock:
+        """``acquire()`` with arguments already validated (``Lock`` checks them once)."""
+        steps = self._acquisition(name, ttl, timeout, metadata, renew)
+        primitives: dict[str, Callable[..., Any]] = {
+            "acquire": self.do_acquire,
+            "wait": self.wait,
+            "abandon": self.do_abandon,
+        }
+        step: Any
+        done, step = False, next(steps)
+        while not done:
+            kind, args = step
+            try:
+                result = primitives[kind](*args)
+            except BaseException as e:
+                done, step = _advance(steps, error=e)
+            else:
+                done, step = _advance(steps, result)
+        held: HeldLock = step
+        return held
+
+    async def _aacquire(
+        self,
+        name: str,
+        ttl: float | None,
+        timeout: float | None,
+        metadata: Mapping[str, Any] | None,
+        renew: bool,
+    ) -> HeldLock:
+        """``_acquire`` with the awaitable primitives (``ado_acquire``, ``await_``, ...)."""
+        if not self.native_async:
+            # One worker thread for the whole acquisition, as the sync
+            # primitives keep a refused attempt's state per thread.
+            return await asyncio.to_thread(self._acquire, name, ttl, timeout, metadata, renew)
+        steps = self._acquisition(name, ttl, timeout, metadata, renew)
+        primitives: dict[str, Callable[..., Awaitable[Any]]] = {
+            "acquire": self.ado_acquire,
+            "wait": self.await_,
+            "abandon": self.ado_abandon,
+        }
+        step: Any
+        done, step = False, next(steps)
+        while not done:
+            kind, args = step
+            try:
+                result = await primitives[kind](*args)
+            except BaseException as e:
+                done, step = _advance(steps, error=e)
+            else:
+                done, step = _advance(steps, result)
+        held: HeldLock = step
+        return held
 
     def adopt(
         self,
@@ -392,13 +494,6 @@ class BaseLockBackend:
         """
         return 0.0
 
-    def _abandon_quietly(self, name: str, owner: str) -> None:
-        try:
-            self.do_abandon(name, owner)
-        except Exception:
-            # The queue entry expires on its own; the caller's error matters more.
-            logger.warning("Could not leave the wait queue of %r on %r", name, self.alias)
-
     def lock(self, name: str, **kwargs: Any) -> Lock:
         """``lock(name, backend=<this alias>, **kwargs)``."""
         return Lock(name, backend=self.alias, **kwargs)
@@ -439,3 +534,13 @@ class BaseLockBackend:
         started = time.monotonic()
         version, warnings = self.do_ping()
         return ServerStatus(self.alias, version, time.monotonic() - started, warnings)
+
+
+def _advance(
+    steps: Generator[Any, Any, Any], result: Any = None, error: BaseException | None = None
+) -> tuple[bool, Any]:
+    """Send ``result`` (or throw ``error``) into ``steps``: (finished, its value or next step)."""
+    try:
+        return False, (steps.throw(error) if error is not None else steps.send(result))
+    except StopIteration as finished:
+        return True, finished.value

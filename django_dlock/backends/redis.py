@@ -48,12 +48,15 @@ microsecond was issued for a name on average.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -67,6 +70,8 @@ from .base import BaseLockBackend, Grant, LockInfo
 
 try:
     import redis
+    import redis.asyncio
+    from redis.asyncio.retry import Retry as AsyncRetry
     from redis.backoff import NoBackoff
     from redis.cluster import RedisCluster
     from redis.commands.core import Script
@@ -607,7 +612,14 @@ class RedisBackend(BaseLockBackend):
         self._blocking_cap = min(WAIT_CAP, self.socket_timeout * 0.8)
         self._nodes: list[_Node] | None = None
         self._mutex = threading.Lock()
-        self._local = threading.local()
+        # The refused attempt's state, per thread and per asyncio task.
+        self._waiter_var: ContextVar[_Waiter | None] = ContextVar(
+            f"django-dlock-waiter-{alias}", default=None
+        )
+        # A single server needs no routing or quorum: the awaitable primitives
+        # use redis.asyncio there, one client per event loop.
+        self.native_async = not (self.redlock or self.cluster or self.connection_spec)
+        self._aclients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._tags = [f"{{{self.key_prefix}dlock:{s}}}" for s in range(shards)]
         # Building eight key strings per call shows in the uncontended cycle.
         self._keys = functools.lru_cache(maxsize=4096)(self._make_keys)
@@ -782,10 +794,16 @@ class RedisBackend(BaseLockBackend):
         ]  # fmt: skip
 
     def _waiter(self, owner: str) -> _Waiter | None:
-        waiter: _Waiter | None = getattr(self._local, "waiter", None)
+        waiter = self._waiter_var.get()
         return waiter if waiter is not None and waiter.owner == owner else None
 
     def _acquire_call(self, name: str, owner: str, ttl: float, holder: str) -> Any:
+        keys, args = self._acquire_args(name, owner, ttl, holder)
+        return lambda node: node.run(node.acquire, keys, args)
+
+    def _acquire_args(
+        self, name: str, owner: str, ttl: float, holder: str
+    ) -> tuple[list[str], list[Any]]:
         k = self._keys(name)
         args = [owner, _ms(ttl), name, holder, WAITER_LEASE_MS, k.signal_prefix, ""]
         waiter = self._waiter(owner)
@@ -794,14 +812,15 @@ class RedisBackend(BaseLockBackend):
         # own, and a hand-over by one master is not a majority's grant.
         if self.fair or (starving and not self.redlock):
             args[6] = "1"
-        keys = self._lock_keys(k)
-        return lambda node: node.run(node.acquire, keys, args)
+        return self._lock_keys(k), args
 
     def _release_call(self, name: str, owner: str) -> Any:
-        k = self._keys(name)
-        keys = self._lock_keys(k)
-        args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix, ""]
+        keys, args = self._release_args(name, owner)
         return lambda node: node.run(node.release, keys, args)
+
+    def _release_args(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
+        k = self._keys(name)
+        return self._lock_keys(k), [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix, ""]
 
     def _outcome(self, reply: Any, owner: str, sent: float) -> int | Grant | None:
         """Read an acquire reply; on a refusal, note what wait() needs."""
@@ -819,7 +838,8 @@ class RedisBackend(BaseLockBackend):
             pttl_ms, queued_at = -result - 1, None
         waiter = self._waiter(owner)
         if waiter is None:
-            waiter = self._local.waiter = _Waiter(owner, since=sent)
+            waiter = _Waiter(owner, since=sent)
+            self._waiter_var.set(waiter)
         waiter.holder_pttl_ms = pttl_ms
         if queued_at is not None:
             waiter.queued_at = queued_at
@@ -854,7 +874,8 @@ class RedisBackend(BaseLockBackend):
         refusals = [int(r) for r in results if not isinstance(r, (Exception, list)) and int(r) < 0]
         waiter = self._waiter(owner)
         if waiter is None:
-            waiter = self._local.waiter = _Waiter(owner, since=sent)
+            waiter = _Waiter(owner, since=sent)
+            self._waiter_var.set(waiter)
         # Wait on the soonest-expiring refusal.
         waiter.holder_pttl_ms = -max(refusals) - 1 if refusals else 0
         return None
@@ -916,14 +937,21 @@ class RedisBackend(BaseLockBackend):
         return "Redis " + ", ".join(sorted(versions)), tuple(warnings)
 
     def do_abandon(self, name: str, owner: str) -> None:
+        plan = self._abandon_plan(name, owner)
+        if plan is not None:
+            keys, args = plan
+            self._single(name, lambda node: node.run(node.abandon, keys, args))
+
+    def _abandon_plan(self, name: str, owner: str) -> tuple[list[str], list[Any]] | None:
+        """The ABANDON call ``do_abandon`` makes, or None if there is nothing to leave."""
         waiter = self._waiter(owner)
-        self._local.waiter = None
+        self._waiter_var.set(None)
         if not self.fair and (waiter is None or waiter.queued_at is None):
-            return  # an unfair waiter that never joined the queue: nothing to leave
+            return None  # an unfair waiter that never joined the queue: nothing to leave
         k = self._keys(name)
         keys = [*self._lock_keys(k), k.signal_prefix + owner]
         args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix, ""]
-        self._single(name, lambda node: node.run(node.abandon, keys, args))
+        return keys, args
 
     def do_list(self, prefix: str) -> list[LockInfo]:
         low, high = _lex_range(prefix)
@@ -1004,38 +1032,135 @@ class RedisBackend(BaseLockBackend):
         lost wake-up or a holder that died cannot strand a waiter. In fair
         mode the wake-up is the hand-over itself: "token:granted_us:lease_ms".
         """
-        waiter = self._waiter(owner)
-        holder_ms = waiter.holder_pttl_ms if waiter is not None else 0
-        fallback = max(holder_ms / 2000, min(holder_ms / 1000 + 0.001, 0.05))
-        nodes = self.nodes
-        timeout = min(self._blocking_cap, fallback if holder_ms else WAIT_CAP)
-        if remaining is not None:
-            timeout = min(timeout, remaining)
-        if timeout < 0.001:
+        plan = self._wait_plan(name, owner, remaining)
+        if plan is None:
             return
-        k = self._keys(name)
-        queued = waiter is not None and waiter.queued_at is not None
-        if queued:
-            key = k.signal_prefix + owner
-        else:
-            key = k.wake
-            if waiter is not None and not (self.fair or self.redlock):
-                # Wake when this waiter may join the queue, if that comes first;
-                # once it has passed, the next attempt queues and no cap applies.
-                until_queue = waiter.since + STARVE_AFTER - time.monotonic()
-                if until_queue > 0.001:
-                    timeout = min(timeout, until_queue)
-        for node in nodes:
+        key, timeout = plan
+        for node in self.nodes:
             try:
                 # On the direct path too: the woken waiter's next step is the
                 # critical path of a hand-over.
                 popped = node.command("BLPOP", key, round(timeout, 3))
             except RedisError:
                 continue  # Redlock: that master is down; block on the next one
-            if popped and waiter is not None and waiter.queued_at is not None:
-                waiter.handed = _handed_over(waiter.queued_at, _text(popped[1]))
+            self._woken(owner, popped)
             return
         time.sleep(timeout)
+
+    def _wait_plan(
+        self, name: str, owner: str, remaining: float | None
+    ) -> tuple[str, float] | None:
+        """The list ``wait()`` blocks on and for how long; None: do not block."""
+        waiter = self._waiter(owner)
+        holder_ms = waiter.holder_pttl_ms if waiter is not None else 0
+        fallback = max(holder_ms / 2000, min(holder_ms / 1000 + 0.001, 0.05))
+        timeout = min(self._blocking_cap, fallback if holder_ms else WAIT_CAP)
+        if remaining is not None:
+            timeout = min(timeout, remaining)
+        if timeout < 0.001:
+            return None
+        k = self._keys(name)
+        if waiter is not None and waiter.queued_at is not None:
+            return k.signal_prefix + owner, timeout
+        if waiter is not None and not (self.fair or self.redlock):
+            # Wake when this waiter may join the queue, if that comes first;
+            # once it has passed, the next attempt queues and no cap applies.
+            until_queue = waiter.since + STARVE_AFTER - time.monotonic()
+            if until_queue > 0.001:
+                timeout = min(timeout, until_queue)
+        return k.wake, timeout
+
+    def _woken(self, owner: str, popped: Any) -> None:
+        """A BLPOP returned: in fair mode, what it popped is the hand-over."""
+        waiter = self._waiter(owner)
+        if popped and waiter is not None and waiter.queued_at is not None:
+            waiter.handed = _handed_over(waiter.queued_at, _text(popped[1]))
+
+    # --- native async (single server) -------------------------------------------------
+
+    def _aclient(self) -> Any:
+        """This event loop's redis.asyncio client (clients are bound to their loop)."""
+        loop = asyncio.get_running_loop()
+        client = self._aclients.get(loop)
+        if client is None:
+            kwargs: dict[str, Any] = {
+                "socket_timeout": self.socket_timeout,
+                "socket_connect_timeout": self.socket_connect_timeout,
+                "health_check_interval": 30,
+                "retry": AsyncRetry(NoBackoff(), 1),
+            }
+            kwargs.update(self.client_kwargs)
+            client = self._aclients[loop] = redis.asyncio.Redis.from_url(
+                self.locations[0], **kwargs
+            )
+        return client
+
+    async def _arun(self, name: str, script: Script, keys: list[Any], args: list[Any]) -> Any:
+        client = self._aclient()
+        try:
+            try:
+                return await client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                await client.script_load(script.script)
+                return await client.evalsha(script.sha, len(keys), *keys, *args)
+        except RedisError as e:
+            raise self._unavailable(name, e, self.nodes[0]) from e
+
+    async def ado_acquire(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
+    ) -> int | Grant | None:
+        if not self.native_async:
+            return await super().ado_acquire(name, owner, ttl, holder, renew)
+        waiter = self._waiter(owner)
+        if waiter is not None and waiter.handed is not None:
+            return waiter.handed
+        keys, args = self._acquire_args(name, owner, ttl, holder)
+        sent = time.monotonic()
+        reply = await self._arun(name, self.nodes[0].acquire, keys, args)
+        return self._outcome(reply, owner, sent)
+
+    async def ado_release(self, name: str, owner: str) -> bool:
+        if not self.native_async:
+            return await super().ado_release(name, owner)
+        keys, args = self._release_args(name, owner)
+        return bool(await self._arun(name, self.nodes[0].release, keys, args))
+
+    async def ado_extend(self, name: str, owner: str, ttl: float) -> bool:
+        if not self.native_async:
+            return await super().ado_extend(name, owner, ttl)
+        keys = [self._keys(name).lock]
+        return bool(await self._arun(name, self.nodes[0].extend, keys, [owner, _ms(ttl)]))
+
+    async def ado_check(self, name: str, owner: str) -> bool:
+        if not self.native_async:
+            return await super().ado_check(name, owner)
+        try:
+            value = await self._aclient().get(self._keys(name).lock)
+        except RedisError as e:
+            raise self._unavailable(name, e, self.nodes[0]) from e
+        return _bytes(value or b"").startswith(f"{owner}:".encode())
+
+    async def ado_abandon(self, name: str, owner: str) -> None:
+        if not self.native_async:
+            return await super().ado_abandon(name, owner)
+        plan = self._abandon_plan(name, owner)
+        if plan is not None:
+            await self._arun(name, self.nodes[0].abandon, *plan)
+        return None
+
+    async def await_(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
+        if not self.native_async:
+            return await super().await_(name, owner, remaining, attempt)
+        plan = self._wait_plan(name, owner, remaining)
+        if plan is None:
+            return None
+        key, timeout = plan
+        try:
+            popped = await self._aclient().blpop([key], round(timeout, 3))
+        except RedisError as e:
+            raise self._unavailable(name, e, self.nodes[0]) from e
+        self._woken(owner, popped)
+        return None
 
 
 def _handed_over(queued_at: tuple[float, int], signal: str) -> Grant:
