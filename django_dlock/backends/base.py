@@ -322,10 +322,10 @@ class BaseLockBackend:
         timeout: float | None,
         metadata: Mapping[str, Any] | None,
         renew: bool,
-    ) -> Generator[tuple[str, tuple[Any, ...]], Any, HeldLock]:
+    ) -> Generator[tuple[str, tuple[Any, ...], dict[str, Any]], Any, HeldLock]:
         """The blocking loop of ``acquire()``, without its I/O.
 
-        It yields ``(primitive, arguments)`` for each call to the lock service
+        It yields ``(primitive, args, kwargs)`` for each call to the lock service
         ("acquire", "wait", "abandon"), and is sent each call's result or
         thrown its exception. ``_acquire`` drives it with the sync primitives,
         and ``_aacquire`` with the awaitable ones, so both share one loop.
@@ -340,7 +340,7 @@ class BaseLockBackend:
         try:
             while True:
                 sent = time.monotonic()
-                result = yield ("acquire", (name, owner, ttl, holder_text, renew))
+                result = yield ("acquire", (name, owner, ttl, holder_text), {"renew": renew})
                 if result is not None:
                     break
                 refused = True
@@ -352,12 +352,12 @@ class BaseLockBackend:
                         name=name,
                         backend=self.alias,
                     )
-                yield ("wait", (name, owner, remaining, attempt))
+                yield ("wait", (name, owner, remaining, attempt), {})
                 attempt += 1
         except BaseException:
             if refused:
                 try:
-                    yield ("abandon", (name, owner))
+                    yield ("abandon", (name, owner), {})
                 except Exception:
                     # The queue entry expires on its own; the caller's error matters more.
                     logger.warning("Could not leave the wait queue of %r on %r", name, self.alias)
@@ -386,9 +386,9 @@ class BaseLockBackend:
         step: Any
         done, step = False, next(steps)
         while not done:
-            kind, args = step
+            kind, args, kwargs = step
             try:
-                result = primitives[kind](*args)
+                result = primitives[kind](*args, **kwargs)
             except BaseException as e:
                 done, step = _advance(steps, error=e)
             else:
@@ -418,9 +418,9 @@ class BaseLockBackend:
         step: Any
         done, step = False, next(steps)
         while not done:
-            kind, args = step
+            kind, args, kwargs = step
             try:
-                result = await primitives[kind](*args)
+                result = await primitives[kind](*args, **kwargs)
             except BaseException as e:
                 done, step = _advance(steps, error=e)
             else:
