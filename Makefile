@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck packaging system-deps screenshots clean
+.PHONY: demo test lint typecheck packaging docs system-deps screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+# The documentation site, with warnings as errors.
+docs: $(STAMP)
+	rm -rf docs/_build
+	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
 
 packaging: $(STAMP)
 	rm -rf dist
