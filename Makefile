@@ -41,6 +41,7 @@ typecheck: $(STAMP)
 docs: $(STAMP)
 	rm -rf docs/_build
 	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
+	$(BIN)/sphinx-build -W --keep-going -b doctest docs docs/_build/doctest
 
 packaging: $(STAMP)
 	rm -rf dist
