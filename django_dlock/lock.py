@@ -325,6 +325,12 @@ class HeldLock:
         except Exception:
             logger.exception("Could not release lock %r on %r", self.name, self.alias)
 
+    async def _arelease_quietly(self) -> None:
+        try:
+            await self.arelease()
+        except Exception:
+            logger.exception("Could not release lock %r on %r", self.name, self.alias)
+
     def _mark_lost(self, reason: str) -> None:
         with self._mutex:
             if self._state != _HELD:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-import string
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
@@ -25,7 +24,7 @@ from django.http import HttpRequest, HttpResponse
 
 from . import holders
 from .exceptions import LockTimeout
-from .lock import HeldLock, Lock
+from .lock import _UNSET, Lock
 
 V = TypeVar("V", bound=Callable[..., Any])
 
@@ -33,19 +32,12 @@ V = TypeVar("V", bound=Callable[..., Any])
 LOCKED = 423
 
 
-class _ViewFields(string.Formatter):
-    def get_value(self, key: Any, args: Any, kwargs: Any) -> Any:
-        if key in kwargs:
-            return kwargs[key]
-        raise KeyError(key)
-
-
 def lock_name(template: str, request: HttpRequest, view_kwargs: Mapping[str, Any]) -> str:
     """The lock name ``template`` gives for this request."""
     user = getattr(request, "user", None)
     fields = {**view_kwargs, "user": user, "user_pk": getattr(user, "pk", None)}
     try:
-        return _ViewFields().format(template, **fields)
+        return template.format(**fields)
     except KeyError as e:
         raise ValueError(
             f"Lock key {template!r} names {e.args[0]!r}, which is neither a URL keyword "
@@ -82,22 +74,18 @@ class _Guard:
     ) -> None:
         if not isinstance(key, str) or not key:
             raise TypeError("The lock key must be a non-empty str template.")
-        self.key, self.timeout, self.ttl = key, timeout, ttl
-        self.backend, self.status, self.metadata = backend, status, metadata
-        Lock(key, ttl=ttl, timeout=timeout, backend=backend, metadata=metadata)  # validates
-
-    def acquire(self, name: str) -> HeldLock:
-        lock = Lock(
-            name, ttl=self.ttl, timeout=self.timeout, backend=self.backend, metadata=self.metadata
-        )
-        return lock.acquire()
+        self.key = key
+        self.backend, self.status = backend, status
+        # Validates the options where the view is defined; each request
+        # acquires it under its own name.
+        self.lock = Lock(key, ttl=ttl, timeout=timeout, backend=backend, metadata=metadata)
 
     def run(
         self, request: HttpRequest, view_kwargs: Mapping[str, Any], call: Callable[[], Any]
     ) -> Any:
         name = lock_name(self.key, request, view_kwargs)
         try:
-            held = self.acquire(name)
+            held = self.lock._acquire(_UNSET, name)
         except LockTimeout:
             return locked_response(name, self.backend, self.status)
         try:
@@ -110,13 +98,13 @@ class _Guard:
     ) -> Any:
         name = lock_name(self.key, request, view_kwargs)
         try:
-            held = await asyncio.to_thread(self.acquire, name)
+            held = await self.lock._aacquire(_UNSET, name)  # native where the backend is
         except LockTimeout:
             return await asyncio.to_thread(locked_response, name, self.backend, self.status)
         try:
             return await call()
         finally:
-            await asyncio.to_thread(held._release_quietly)
+            await held._arelease_quietly()
 
 
 def lock_view(

@@ -265,17 +265,13 @@ class BaseLockBackend:
     def close(self) -> None:
         """Release client resources; held leases are left to expire or be released."""
 
-    # --- awaitable primitives: a worker thread each, unless the backend has native ones.
+    # --- awaitable primitives: release, extend and check in a worker thread
+    # unless the backend has native ones.
 
     #: The awaitable primitives talk to the service from the event loop
     #: itself; otherwise an async acquire runs the sync one in a worker thread.
     #: (An instance attribute: for Redis it depends on the settings.)
     native_async: bool = False
-
-    async def ado_acquire(
-        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
-    ) -> int | Grant | None:
-        return await asyncio.to_thread(self.do_acquire, name, owner, ttl, holder, renew)
 
     async def ado_release(self, name: str, owner: str) -> bool:
         return await asyncio.to_thread(self.do_release, name, owner)
@@ -286,11 +282,20 @@ class BaseLockBackend:
     async def ado_check(self, name: str, owner: str) -> bool:
         return await asyncio.to_thread(self.do_check, name, owner)
 
+    # With native_async, _aacquire drives the acquire loop with these; a
+    # backend that sets it provides all three (the sync loop's per-thread
+    # state would not survive one worker thread per call).
+
+    async def ado_acquire(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
+    ) -> int | Grant | None:
+        raise NotImplementedError
+
     async def ado_abandon(self, name: str, owner: str) -> None:
-        await asyncio.to_thread(self.do_abandon, name, owner)
+        raise NotImplementedError
 
     async def await_(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
-        await asyncio.to_thread(self.wait, name, owner, remaining, attempt)
+        raise NotImplementedError
 
     # --- public API -----------------------------------------------------------------
 

@@ -693,18 +693,23 @@ class RedisBackend(BaseLockBackend):
                 # A blocking wait must end before that pool's socket gives up.
                 self._blocking_cap = min(self._blocking_cap, pool_timeout * 0.8)
             return client
+        kwargs = self._client_kwargs(Retry)
+        if self.cluster:
+            return RedisCluster.from_url(location, **kwargs)
+        return redis.Redis.from_url(location, **kwargs)
+
+    def _client_kwargs(self, retry_class: Any) -> dict[str, Any]:
+        """redis-py client arguments, for the sync clients and the asyncio one."""
         kwargs: dict[str, Any] = {
             "socket_timeout": self.socket_timeout,
             "socket_connect_timeout": self.socket_connect_timeout,
             "health_check_interval": 30,
             # A Redlock master that is down must cost one refused connection,
             # not retries; a single server gets one retry (scripts are idempotent).
-            "retry": Retry(NoBackoff(), 0 if self.redlock else 1),
+            "retry": retry_class(NoBackoff(), 0 if self.redlock else 1),
         }
         kwargs.update(self.client_kwargs)
-        if self.cluster:
-            return RedisCluster.from_url(location, **kwargs)
-        return redis.Redis.from_url(location, **kwargs)
+        return kwargs
 
     @property
     def nodes(self) -> list[_Node]:
@@ -1083,15 +1088,8 @@ class RedisBackend(BaseLockBackend):
         loop = asyncio.get_running_loop()
         client = self._aclients.get(loop)
         if client is None:
-            kwargs: dict[str, Any] = {
-                "socket_timeout": self.socket_timeout,
-                "socket_connect_timeout": self.socket_connect_timeout,
-                "health_check_interval": 30,
-                "retry": AsyncRetry(NoBackoff(), 1),
-            }
-            kwargs.update(self.client_kwargs)
             client = self._aclients[loop] = redis.asyncio.Redis.from_url(
-                self.locations[0], **kwargs
+                self.locations[0], **self._client_kwargs(AsyncRetry)
             )
         return client
 
@@ -1109,8 +1107,6 @@ class RedisBackend(BaseLockBackend):
     async def ado_acquire(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
     ) -> int | Grant | None:
-        if not self.native_async:
-            return await super().ado_acquire(name, owner, ttl, holder, renew)
         waiter = self._waiter(owner)
         if waiter is not None and waiter.handed is not None:
             return waiter.handed
@@ -1141,16 +1137,12 @@ class RedisBackend(BaseLockBackend):
         return _bytes(value or b"").startswith(f"{owner}:".encode())
 
     async def ado_abandon(self, name: str, owner: str) -> None:
-        if not self.native_async:
-            return await super().ado_abandon(name, owner)
         plan = self._abandon_plan(name, owner)
         if plan is not None:
             await self._arun(name, self.nodes[0].abandon, *plan)
         return None
 
     async def await_(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
-        if not self.native_async:
-            return await super().await_(name, owner, remaining, attempt)
         plan = self._wait_plan(name, owner, remaining)
         if plan is None:
             return None
