@@ -76,10 +76,13 @@ class FencedModel(models.Model):
         self.fence = token
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
         try:
-            # In a savepoint: Django marks the transaction of a failed save
-            # for rollback, and a refused write must leave it usable.
-            with transaction.atomic(using=using):
-                super().save(*args, **kwargs)
+            if transaction.get_connection(using).in_atomic_block:
+                # In a savepoint: Django marks the transaction of a failed
+                # save for rollback, and a refused write must leave it usable.
+                with transaction.atomic(using=using):
+                    super().save(*args, **kwargs)
+            else:
+                super().save(*args, **kwargs)  # no transaction to keep usable
         except BaseException:
             self.fence = previous
             raise

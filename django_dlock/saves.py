@@ -50,6 +50,34 @@ def lock_name(instance: models.Model, template: str = DEFAULT_KEY) -> str:
     return _InstanceFields().format(template, instance=instance)
 
 
+class _SaveUnder:
+    """The save ``_under_lock`` runs: fenced with the lock's token on a FencedModel."""
+
+    def __init__(
+        self,
+        instance: models.Model,
+        save: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.fenced = isinstance(instance, FencedModel) and "fencing_token" not in kwargs
+        self.save, self.args, self.kwargs = save, args, kwargs
+
+    def __call__(self, held: HeldLock) -> HeldLock:
+        if self.fenced:
+            self.save(*self.args, fencing_token=held.token, **self.kwargs)
+        else:
+            self.save(*self.args, **self.kwargs)
+        return held
+
+
+def _unlocked(instance: models.Model, method: str) -> Callable[..., Any]:
+    """``instance.<method>``, past LockedSaveMixin's, which would take the same lock again."""
+    if isinstance(instance, LockedSaveMixin):
+        return getattr(super(LockedSaveMixin, instance), method)  # type: ignore[no-any-return]
+    return getattr(instance, method)  # type: ignore[no-any-return]
+
+
 class _Release:
     """The ``on_commit`` callback; freeing it uncalled (a rollback) releases too."""
 
@@ -103,20 +131,7 @@ def locked_save(
     and ``StaleWrite`` if a newer holder has written the row. Returns the
     handle (released, or to be released at commit).
     """
-    # A LockedSaveMixin's own save() would take the same lock again.
-    save: Callable[..., None] = (
-        super(LockedSaveMixin, instance).save
-        if isinstance(instance, LockedSaveMixin)
-        else instance.save
-    )
-
-    def write(held: HeldLock) -> HeldLock:
-        if isinstance(instance, FencedModel):
-            save(fencing_token=held.token, **save_kwargs)
-        else:
-            save(**save_kwargs)
-        return held
-
+    write = _SaveUnder(instance, _unlocked(instance, "save"), (), save_kwargs)
     return _under_lock(  # type: ignore[no-any-return]
         instance,
         write,
@@ -140,9 +155,10 @@ def locked_delete(
     **delete_kwargs: Any,
 ) -> Any:
     """``instance.delete(**delete_kwargs)`` while holding the instance's lock."""
+    delete = _unlocked(instance, "delete")
     return _under_lock(
         instance,
-        lambda held: instance.delete(**delete_kwargs),
+        lambda held: delete(**delete_kwargs),
         key=key,
         backend=backend,
         ttl=ttl,
@@ -171,17 +187,10 @@ class LockedSaveMixin(models.Model):
         abstract = True
 
     def save(self, *args: Any, **kwargs: Any) -> None:
-        if args or (self.pk is None and "{pk}" in self.lock_key):
+        if self.pk is None and "{pk}" in self.lock_key:
             super().save(*args, **kwargs)
             return
-        plain_save: Callable[..., None] = super().save
-
-        def write(held: HeldLock) -> None:
-            if isinstance(self, FencedModel) and "fencing_token" not in kwargs:
-                plain_save(fencing_token=held.token, **kwargs)
-            else:
-                plain_save(**kwargs)
-
+        write = _SaveUnder(self, super().save, args, kwargs)
         _under_lock(self, write, using=kwargs.get("using"), **self._lock_options())
 
     def delete(self, *args: Any, **kwargs: Any) -> Any:

@@ -210,6 +210,9 @@ def test_the_mixin_locks_save_and_delete() -> None:
     assert locked_save(doc, backend="locmem").token > first  # no second lock taken
     doc.delete()
     assert not LockedDocument.objects.filter(pk=doc.pk).exists()
+    other = LockedDocument.objects.create(title="other")
+    locked_delete(other, backend="locmem", timeout=0)  # not the mixin's lock a second time
+    assert not LockedDocument.objects.filter(pk=other.pk).exists()
 
 
 def _held_elsewhere(name: str) -> bool:
