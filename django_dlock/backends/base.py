@@ -323,42 +323,41 @@ class BaseLockBackend:
     def _acquisition(
         self,
         name: str,
-        ttl: float | None,
+        owner: str,
+        ttl: float,
+        holder: tuple[dict[str, Any], str],
         timeout: float | None,
-        metadata: Mapping[str, Any] | None,
+        deadline: float | None,
         renew: bool,
+        refused: bool,
     ) -> Generator[tuple[str, tuple[Any, ...], dict[str, Any]], Any, HeldLock]:
         """The blocking loop of ``acquire()``, without its I/O.
 
         It yields ``(primitive, args, kwargs)`` for each call to the lock service
         ("acquire", "wait", "abandon"), and is sent each call's result or
-        thrown its exception. ``_acquire`` drives it with the sync primitives,
-        and ``_aacquire`` with the awaitable ones, so both share one loop.
+        thrown its exception. ``_acquire`` drives it with the sync primitives
+        once its first attempt was refused (``refused``), and ``_aacquire`` with
+        the awaitable ones from the start, so both share one loop.
         """
-        if ttl is None:
-            ttl = self.default_ttl
-        owner = new_owner()
-        holder, holder_text = holder_metadata(ttl, metadata)
-        deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
-        refused = False
         try:
             while True:
+                if refused:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise LockTimeout(
+                            f"Could not acquire lock {name!r} on backend {self.alias!r} "
+                            f"within {timeout:g}s.",
+                            name=name,
+                            backend=self.alias,
+                        )
+                    yield ("wait", (name, owner, remaining, attempt), {})
+                    attempt += 1
                 sent = time.monotonic()
-                result = yield ("acquire", (name, owner, ttl, holder_text), {"renew": renew})
+                result = yield ("acquire", (name, owner, ttl, holder[1]), {"renew": renew})
                 if result is not None:
                     break
                 refused = True
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise LockTimeout(
-                        f"Could not acquire lock {name!r} on backend {self.alias!r} "
-                        f"within {timeout:g}s.",
-                        name=name,
-                        backend=self.alias,
-                    )
-                yield ("wait", (name, owner, remaining, attempt), {})
-                attempt += 1
         except BaseException:
             if refused:
                 try:
@@ -367,6 +366,19 @@ class BaseLockBackend:
                     # The queue entry expires on its own; the caller's error matters more.
                     logger.warning("Could not leave the wait queue of %r on %r", name, self.alias)
             raise
+        return self._handle_for(name, owner, ttl, holder[0], renew, result, sent)
+
+    def _handle_for(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: dict[str, Any],
+        renew: bool,
+        result: int | Grant,
+        sent: float,
+    ) -> HeldLock:
+        """The handle for a granted attempt sent at ``sent``."""
         if isinstance(result, Grant):
             token, expires, lease = result.token, result.expires, result.lease
         else:
@@ -382,7 +394,16 @@ class BaseLockBackend:
         renew: bool,
     ) -> HeldLock:
         """``acquire()`` with arguments already validated (``Lock`` checks them once)."""
-        steps = self._acquisition(name, ttl, timeout, metadata, renew)
+        if ttl is None:
+            ttl = self.default_ttl
+        owner = new_owner()
+        holder = holder_metadata(ttl, metadata)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sent = time.monotonic()
+        result = self.do_acquire(name, owner, ttl, holder[1], renew=renew)
+        if result is not None:  # the uncontended case: no loop to drive
+            return self._handle_for(name, owner, ttl, holder[0], renew, result, sent)
+        steps = self._acquisition(name, owner, ttl, holder, timeout, deadline, renew, True)
         primitives: dict[str, Callable[..., Any]] = {
             "acquire": self.do_acquire,
             "wait": self.wait,
@@ -414,7 +435,11 @@ class BaseLockBackend:
             # One worker thread for the whole acquisition, as the sync
             # primitives keep a refused attempt's state per thread.
             return await asyncio.to_thread(self._acquire, name, ttl, timeout, metadata, renew)
-        steps = self._acquisition(name, ttl, timeout, metadata, renew)
+        if ttl is None:
+            ttl = self.default_ttl
+        deadline = None if timeout is None else time.monotonic() + timeout
+        holder = holder_metadata(ttl, metadata)
+        steps = self._acquisition(name, new_owner(), ttl, holder, timeout, deadline, renew, False)
         primitives: dict[str, Callable[..., Awaitable[Any]]] = {
             "acquire": self.ado_acquire,
             "wait": self.await_,
