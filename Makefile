@@ -1,24 +1,47 @@
-# The README's two commands: `make demo` and `make test`. Both build their own
-# virtualenv in .venv from pyproject.toml, so a fresh clone needs only python3.
+# The README's two commands: `make demo` and `make test`. Each builds its own
+# virtualenv from pyproject.toml, so a fresh clone needs only python3 (3.10+).
+#   - demo: .venv-demo holds the package and its celery extra, nothing else,
+#     installed from wheels only: no compiler, no C headers, no apt, no root.
+#   - everything else: .venv holds the dev group, which builds mysqlclient
+#     from source, so it waits for scripts/system-deps.sh (headers from apt).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_VENV ?= .venv-demo
+DEMO_BIN := $(DEMO_VENV)/bin
+DEMO_STAMP := $(DEMO_VENV)/.installed
 
-.PHONY: demo test lint typecheck packaging docs system-deps screenshots clean
+.PHONY: demo fresh-check test lint typecheck packaging docs system-deps screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=25.1"
 
-# `--group` (PEP 735 dependency groups) needs pip 25.1 or later.
-$(STAMP): pyproject.toml | $(BIN)/python
+# `--group` (PEP 735 dependency groups) needs pip 25.1 or later. The dev group
+# compiles mysqlclient: the system packages come first.
+$(STAMP): pyproject.toml | $(BIN)/python system-deps
 	$(BIN)/python -m pip install --quiet -e . --group dev
 	touch $@
 
-demo: $(STAMP)
-	$(BIN)/python testproject/manage.py migrate --noinput --verbosity 0
-	$(BIN)/python testproject/manage.py dlock_demo
+$(DEMO_BIN)/python:
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_BIN)/python -m pip install --quiet --only-binary :all: --upgrade pip
+
+# `--only-binary :all:` makes a dependency that would need a build fail here,
+# in our CI (make fresh-check), not on a user's machine.
+$(DEMO_STAMP): pyproject.toml | $(DEMO_BIN)/python
+	$(DEMO_BIN)/python -m pip install --quiet --only-binary :all: -e ".[celery]"
+	touch $@
+
+demo: $(DEMO_STAMP)
+	$(DEMO_BIN)/python testproject/manage.py migrate --noinput --verbosity 0
+	$(DEMO_BIN)/python testproject/manage.py dlock_demo
+
+# `make demo` in a throwaway copy of the tree, as on a fresh machine: no pip
+# cache, and pkg-config, mysql_config and pg_config answer "not found".
+fresh-check:
+	scripts/fresh-check.sh
 
 system-deps:
 	scripts/system-deps.sh
@@ -49,4 +72,4 @@ packaging: $(STAMP)
 	$(BIN)/twine check --strict dist/*
 
 clean:
-	rm -rf $(VENV) dist build *.egg-info .pytest_cache .mypy_cache .ruff_cache .tox
+	rm -rf $(VENV) $(DEMO_VENV) dist build *.egg-info .pytest_cache .mypy_cache .ruff_cache .tox
