@@ -55,8 +55,12 @@ class FencedModel(models.Model):
     A fenced save of an existing row updates it only if its ``fence`` is not
     newer than the token, in the same UPDATE statement, and stores the token
     in ``fence``. Otherwise it raises ``StaleWrite`` and changes nothing.
-    A fenced save of a new row inserts it with ``fence`` = the token. A save
-    without a token works as usual and leaves ``fence`` as it is.
+    A fenced save of a new row inserts it with ``fence`` = the token. A
+    fenced save of a row loaded from the database that has since been deleted
+    raises ``StaleWrite`` instead of inserting it again (the delete may be a
+    newer holder's); ``save(fencing_token=t, force_insert=True)`` re-creates
+    it on purpose. A save without a token works as usual and leaves
+    ``fence`` as it is.
     """
 
     fence = FenceField()
@@ -107,6 +111,15 @@ class FencedModel(models.Model):
                 raise StaleWrite(
                     f"{self._meta.label} {pk_val!r} was written with fencing token "
                     f"{current}, newer than {token}: this write is refused.",
+                )
+            if not self._state.adding:
+                # Django would now INSERT the row again. It was loaded from
+                # the database, so someone deleted it since, possibly a newer
+                # holder (locked_delete): bringing it back would undo that.
+                raise StaleWrite(
+                    f"{self._meta.label} {pk_val!r} was deleted after it was loaded: a fenced "
+                    f"save with token {token} does not re-create it. To re-create it on "
+                    "purpose, save(fencing_token=..., force_insert=True).",
                 )
         return updated
 

@@ -112,6 +112,39 @@ def test_fenced_update_is_all_or_nothing(db: str) -> None:
     assert sorted(docs.values_list("body", "fence")) == [("by 9", 9), ("by 9", 9)]
 
 
+@pytest.mark.parametrize("db", DATABASES)
+def test_a_stale_fenced_save_does_not_bring_back_a_deleted_row(db: str) -> None:
+    """t0 A loads the row, t1 A pauses, t2 B (newer token) deletes it, t3 A saves fenced."""
+    doc = Document(title="gone")
+    doc.save(fencing_token=20, using=db)
+    stale = Document.objects.using(db).get(pk=doc.pk)
+    Document.objects.using(db).filter(pk=doc.pk).delete()  # B's delete
+    stale.body = "by 20, after the delete"
+    with pytest.raises(StaleWrite, match="deleted after it was loaded"):
+        stale.save(fencing_token=20, using=db)
+    with pytest.raises(StaleWrite, match="deleted after it was loaded"):
+        stale.save(fencing_token=21, using=db, update_fields=["body"])
+    assert not Document.objects.using(db).filter(pk=doc.pk).exists()
+    stale.save(fencing_token=22, using=db, force_insert=True)  # a re-create on purpose
+    assert Document.objects.using(db).get(pk=doc.pk).fence == 22
+    fresh = Document(pk=doc.pk + 1000, title="new, with its own pk")
+    fresh.save(fencing_token=23, using=db)  # a new instance is still inserted
+    assert Document.objects.using(db).get(pk=fresh.pk).fence == 23
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stale_locked_save_does_not_undo_a_newer_locked_delete() -> None:
+    doc = Document(title="x")
+    doc.save()
+    stale = Document.objects.get(pk=doc.pk)
+    older = lock(lock_name(doc), backend="db-sqlite").acquire()
+    older.release()  # A's lease ended (in the story: it expired while A paused)
+    locked_delete(doc, backend="db-sqlite")  # B, with a newer token
+    with pytest.raises(StaleWrite):
+        stale.save(fencing_token=older.token)
+    assert not Document.objects.filter(pk=doc.pk).exists()
+
+
 @pytest.mark.parametrize("token", ["7", 7.5, True])
 def test_the_token_must_be_an_int(token: Any) -> None:
     with pytest.raises(TypeError, match="fencing_token must be an int"):
