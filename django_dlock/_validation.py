@@ -53,11 +53,27 @@ def micros_to_datetime(micros: int) -> datetime:
     return datetime.fromtimestamp(micros / 1_000_000, tz=timezone.utc)
 
 
-def validate_name(name: object) -> str:
+def validate_name(name: object, *, what: str = "A lock name") -> str:
+    """A non-empty str that every lock service can store as it is.
+
+    Refused, with the same ValueError on every backend: a NUL character
+    (PostgreSQL text cannot hold it; C clients cut the string there) and lone
+    surrogates (not encodable as UTF-8, so no two services would agree on the
+    bytes).
+    """
     if not isinstance(name, str):
-        raise TypeError(f"A lock name must be a str, not {type(name).__name__}.")
-    if not name:
+        raise TypeError(f"{what} must be a str, not {type(name).__name__}.")
+    if not name and what == "A lock name":
         raise ValueError("A lock name must not be empty.")
+    if "\x00" in name:
+        raise ValueError(f"{what} must not contain a NUL character: {name!r}.")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{what} must be encodable as UTF-8; {name!r} has a lone surrogate at "
+            f"position {e.start}."
+        ) from None
     return name
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import string
 import threading
 import time
@@ -49,6 +50,7 @@ logger = logging.getLogger("django_dlock")
 F = TypeVar("F", bound=Callable[..., Any])
 
 _HELD, _RELEASED, _LOST, _DETACHED = "held", "released", "lost", "detached"
+_INHERITED = "was inherited through fork(): the lease belongs to the parent process"
 
 #: Version of the ticket that ``HeldLock.detach()`` returns and ``adopt()`` reads.
 TICKET_VERSION = 1
@@ -57,6 +59,18 @@ TICKET_VERSION = 1
 RETRY_FRACTION = 0.1
 
 _UNSET: Any = object()
+
+# Bumped in a child after fork(): a handle made before the fork belongs to the
+# parent, and the child must neither release nor renew its lease.
+_fork_generation = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class HeldLock:
@@ -80,6 +94,10 @@ class HeldLock:
     _expires: float
     _renew_enabled: bool
     _watch_generation: int
+    _fork_generation: int
+    _forgotten: weakref.finalize[..., Any] | None
+    _renewing: bool
+    _expiry_cell: list[float]
 
     def __init__(self) -> None:
         raise TypeError("HeldLock is created by acquiring a lock, not directly.")
@@ -113,6 +131,17 @@ class HeldLock:
         self._expires = expires - backend.drift(lease)
         self._renew_enabled = renew
         self._watch_generation = 0
+        self._fork_generation = _fork_generation
+        self._renewing = False
+        self._forgotten = None
+        if renew and backend.supports_shared_leases:
+            # Renewing this process's other leases would keep this one alive
+            # after the handle is dropped; the finalizer ends it on time.
+            self._expiry_cell = [self._expires]
+            self._forgotten = weakref.finalize(
+                self, _release_forgotten, backend, name, owner, self._expiry_cell, _fork_generation
+            )
+            self._forgotten.atexit = False
         if renew:
             get_watchdog().schedule(self, min(ttl, lease) / 3)
         elif lease < ttl:
@@ -174,7 +203,13 @@ class HeldLock:
         if not self.backend.do_check(self.name, self.owner):
             self._ensure_refused()
 
+    def _inherited(self) -> bool:
+        """This process was forked from the one that holds the lease."""
+        return self._fork_generation != _fork_generation
+
     def _before_ensure(self) -> None:
+        if self._inherited():
+            raise self._error(LockLost, _INHERITED)
         if self._state in (_RELEASED, _DETACHED):
             raise self._error(LockLost, f"was {self._state}")
         if self._state == _LOST:
@@ -199,6 +234,8 @@ class HeldLock:
 
     def _before_extend(self, ttl: float | None) -> float:
         ttl = self.ttl if ttl is None else validate_ttl(ttl)
+        if self._inherited():
+            raise self._error(LockNotOwned, f"cannot be extended: it {_INHERITED}")
         if self._state != _HELD:
             raise self._error(LockNotOwned, f"cannot be extended: it was {self._state}")
         return ttl
@@ -221,7 +258,13 @@ class HeldLock:
             self._after_release(self.backend.do_release(self.name, self.owner), was_lost)
 
     def _before_release(self) -> bool | None:
-        """Mark the handle released; None if it already was (nothing to do), else was_lost."""
+        """Mark the handle released; None if it already was (nothing to do), else was_lost.
+
+        Also None in a process forked while the lease was held: the lease is
+        the parent's, and leaving an inherited ``with`` block must not end it.
+        """
+        if self._inherited():
+            return None
         with self._mutex:
             if self._state in (_RELEASED, _DETACHED):
                 return None
@@ -230,6 +273,7 @@ class HeldLock:
         # Stop renewing first: if the release cannot reach the service, the
         # lease must still run out rather than be kept alive by the watchdog.
         get_watchdog().cancel(self)
+        self._remembered()
         return was_lost
 
     def _after_release(self, released: bool, was_lost: bool) -> None:
@@ -280,11 +324,14 @@ class HeldLock:
         it with the task. This handle no longer owns the lease: releasing it
         is a no-op and :meth:`ensure` raises :class:`LockLost`.
         """
+        if self._inherited():
+            raise self._error(LockNotOwned, f"cannot be detached: it {_INHERITED}")
         with self._mutex:
             if self._state != _HELD:
                 raise self._error(LockNotOwned, f"cannot be detached: it was {self._state}")
             self._state = _DETACHED
         get_watchdog().cancel(self)
+        self._remembered()
         try:
             state = self.backend.do_detach(self.name, self.owner)
         except BaseException:
@@ -338,7 +385,13 @@ class HeldLock:
             self._state = _LOST
             self.lost_reason = reason
         get_watchdog().cancel(self)
+        self._remembered()
         self._send_lost()
+
+    def _remembered(self) -> None:
+        """The lease ended (or moved) through this handle: nothing to end when it is freed."""
+        if self._forgotten is not None:
+            self._forgotten.detach()
 
     def _send_lost(self) -> None:
         logger.warning(
@@ -359,27 +412,54 @@ class HeldLock:
             if isinstance(result, Exception):
                 logger.error("lock_lost receiver %r raised %r", receiver, result)
 
-    def _renew(self) -> None:
-        """Called by the watchdog thread; never raises."""
+    def _due(self) -> None:
+        """The watchdog thread's turn: hand a renewal to the backend's thread, or judge one.
+
+        It never waits on the lock service. When it sends a renewal it also
+        schedules this handle again for the moment the lease runs out; if the
+        renewal has not come back by then (a server that accepts and never
+        answers, a database busy with another process's write), the lease is
+        marked lost on time instead of whenever the call returns.
+        """
         if self._state != _HELD:
             return
-        sent = time.monotonic()
+        if self._renewing:
+            if self.expires_in <= 0:
+                self._mark_lost("its renewal did not come back before the lease ran out")
+            return
+        self._renewing = True
+        watchdog = get_watchdog()
+        watchdog.schedule(self, max(self.expires_in, 0.0))
+        watchdog.renewer(self.alias).submit(self._renew)
+
+    def _renew(self) -> None:
+        """Run on the backend's renewal thread; never raises."""
         try:
-            renewed = self.backend.do_extend(self.name, self.owner, self.ttl)
-        except Exception as e:
-            remaining = self.expires_in
-            if remaining <= 0:
-                self._mark_lost(f"renewal failed until the lease ran out: {e!r}")
+            if self._state != _HELD:
                 return
-            logger.warning("Renewing lock %r on %r failed, retrying: %r", self.name, self.alias, e)
-            if self._state == _HELD:
-                delay = min(self.ttl * RETRY_FRACTION, remaining / 2, 1.0)
-                get_watchdog().schedule(self, delay)
-            return
-        if not renewed:
-            self._mark_lost("renewal was refused: the lease expired or was broken")
-            return
-        self._renewed(sent, self.ttl)
+            sent = time.monotonic()
+            try:
+                renewed = self.backend.do_extend(self.name, self.owner, self.ttl)
+            except Exception as e:
+                self._renewing = False
+                remaining = self.expires_in
+                if remaining <= 0:
+                    self._mark_lost(f"renewal failed until the lease ran out: {e!r}")
+                    return
+                logger.warning(
+                    "Renewing lock %r on %r failed, retrying: %r", self.name, self.alias, e
+                )
+                if self._state == _HELD:
+                    delay = min(self.ttl * RETRY_FRACTION, remaining / 2, 1.0)
+                    get_watchdog().schedule(self, delay)
+                return
+            self._renewing = False
+            if not renewed:
+                self._mark_lost("renewal was refused: the lease expired or was broken")
+                return
+            self._renewed(sent, self.ttl)
+        finally:
+            self._renewing = False
 
     def _renewed(self, sent: float, ttl: float) -> None:
         """The service granted ``ttl`` more seconds to a request sent at ``sent``."""
@@ -388,6 +468,8 @@ class HeldLock:
                 return
             self.ttl = ttl
             self._expires = sent + ttl - self.backend.drift(ttl)
+            if self._forgotten is not None:
+                self._expiry_cell[0] = self._expires
         if self._renew_enabled:
             get_watchdog().schedule(self, ttl / 3)
 
@@ -415,6 +497,48 @@ async def _arelease_on_exit(held: HeldLock, body_raised: bool) -> None:
         if not body_raised:
             raise
         logger.warning("Releasing %r after an exception failed", held, exc_info=True)
+
+
+def _release_forgotten(
+    backend: Any, name: str, owner: str, expiry: list[float], generation: int
+) -> None:
+    """Finalizer of a held handle nobody references: release it when it would have run out."""
+    if generation != _fork_generation:
+        return  # freed in a forked child: the lease is the parent's
+
+    def release() -> None:
+        if backend.do_release(name, owner):
+            logger.info("Released the lease of forgotten handle %r on %r", name, backend.alias)
+
+    watchdog = get_watchdog()
+    watchdog.call_at(expiry[0], lambda: watchdog.renewer(backend.alias).submit(release))
+
+
+class _ReleaseAtCommit:
+    """An ``on_commit`` callback that releases; freeing it uncalled (a rollback) releases too.
+
+    Django drops the callbacks of a transaction, or of a savepoint, that rolls
+    back; CPython frees the dropped callback at once (reference counting),
+    and its finalizer releases the lock then.
+    """
+
+    def __init__(self, held: HeldLock) -> None:
+        self.held = held
+        self._finalizer = weakref.finalize(self, held._release_quietly)
+
+    def __call__(self) -> None:
+        self._finalizer()
+
+
+def release_at_transaction_end(held: HeldLock, using: str | None = None) -> bool:
+    """Release ``held`` when the transaction of ``using`` ends; False if none is open."""
+    from django.db import DEFAULT_DB_ALIAS, transaction
+
+    db = using or DEFAULT_DB_ALIAS
+    if not transaction.get_connection(db).in_atomic_block:
+        return False
+    transaction.on_commit(_ReleaseAtCommit(held), using=db)
+    return True
 
 
 # What each Lock acquired in this context (thread or asyncio task), innermost last.
@@ -486,6 +610,10 @@ class Lock:
     before :class:`~django_dlock.LockTimeout`. ``backend``: the alias in
     ``DLOCK_BACKENDS``. ``metadata``: extra JSON-serializable holder details
     shown by ``manage.py locks``. ``renew``: let the watchdog renew the lease.
+    ``release_on_commit``: leaving the block inside ``transaction.atomic()``
+    (of database ``using``, default "default") keeps the lock until that
+    transaction commits or rolls back, so that nobody reads what the block
+    wrote before it is committed.
 
     Use it as ``with lock(...) as held:``, ``async with``, as a decorator, or
     call :meth:`acquire` by hand. As a decorator, ``name`` may be a template
@@ -501,6 +629,8 @@ class Lock:
         backend: str = conf.DEFAULT_ALIAS,
         metadata: Mapping[str, Any] | None = None,
         renew: bool = True,
+        release_on_commit: bool = False,
+        using: str | None = None,
     ) -> None:
         self.name = validate_name(name)
         self.ttl = None if ttl is None else validate_ttl(ttl)
@@ -514,6 +644,12 @@ class Lock:
             dump_holder(metadata)
         self.metadata = dict(metadata) if metadata else None
         self.renew = renew
+        if not isinstance(release_on_commit, bool):
+            raise TypeError(f"release_on_commit must be True or False, not {release_on_commit!r}.")
+        if using is not None and not isinstance(using, str):
+            raise TypeError(f"using must be a DATABASES alias (str), not {type(using).__name__}.")
+        self.release_on_commit = release_on_commit
+        self.using = using
         self._handles: set[HeldLock] = set()
 
     def __repr__(self) -> str:
@@ -531,8 +667,13 @@ class Lock:
         return held
 
     def release(self) -> None:
-        """Release the latest acquisition of this object in the current thread or task."""
-        self._pop().release()
+        """Release the latest acquisition of this object in the current thread or task.
+
+        With ``release_on_commit`` inside ``atomic()``: when the transaction ends.
+        """
+        held = self._pop()
+        if not self._release_at_commit(held):
+            held.release()
 
     async def aacquire(
         self, timeout: float | None = _UNSET, *, name: str | None = None
@@ -550,7 +691,9 @@ class Lock:
         return self.acquire()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        _release_on_exit(self._pop(), exc_type is not None)
+        held = self._pop()
+        if not self._release_at_commit(held):
+            _release_on_exit(held, exc_type is not None)
 
     async def __aenter__(self) -> HeldLock:
         return await self.aacquire()
@@ -580,12 +723,26 @@ class Lock:
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self._acquire(_UNSET, key_for(args, kwargs)):
-                return func(*args, **kwargs)
+            held = self._acquire(_UNSET, key_for(args, kwargs))
+            try:
+                result = func(*args, **kwargs)
+            except BaseException:
+                if not self._release_at_commit(held):
+                    _release_on_exit(held, True)
+                raise
+            if not self._release_at_commit(held):
+                _release_on_exit(held, False)
+            return result
 
         return cast(F, wrapper)
 
     # --- internals -------------------------------------------------------------------
+
+    def _release_at_commit(self, held: HeldLock) -> bool:
+        """With ``release_on_commit`` inside ``atomic()``: leave the release to its end."""
+        if not self.release_on_commit:
+            return False
+        return release_at_transaction_end(held, self.using)
 
     def _acquire(self, timeout: float | None, name: str | None) -> HeldLock:
         # Everything but a templated key was validated when the Lock was made.
@@ -606,8 +763,16 @@ class Lock:
         )
 
     def _push(self, held: HeldLock) -> None:
-        self._handles.add(held)
-        live = tuple(entry for entry in _acquired.get() if entry[0]() is not None)
+        # Handles released or detached directly (``h.release()`` rather than
+        # ``lock.release()``) are dropped here, so that a long-lived Lock
+        # keeps only what may still be popped; the stack keeps weak references.
+        handles = self._handles
+        ended = [h for h in handles if h._state in (_RELEASED, _DETACHED)]
+        handles.difference_update(ended)
+        handles.add(held)
+        live = tuple(
+            entry for entry in _acquired.get() if entry[0]() is not None and entry[1]() is not None
+        )
         _acquired.set((*live, (weakref.ref(self), weakref.ref(held))))
 
     def _pop(self) -> HeldLock:
@@ -621,5 +786,6 @@ class Lock:
         raise RuntimeError(f"{self!r} was not acquired in this thread or task.")
 
 
-#: ``lock(name, ttl=..., timeout=..., backend=..., metadata=..., renew=...)``
+#: ``lock(name, ttl=..., timeout=..., backend=..., metadata=..., renew=...,
+#: release_on_commit=..., using=...)``
 lock = Lock

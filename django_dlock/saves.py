@@ -19,14 +19,13 @@ released as soon as the save returns.
 from __future__ import annotations
 
 import string
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-from django.db import models, router, transaction
+from django.db import models, router
 
 from .fencing import FencedModel
-from .lock import HeldLock, lock
+from .lock import HeldLock, lock, release_at_transaction_end
 
 DEFAULT_KEY = "{app_label}.{model_name}:{pk}"
 
@@ -78,17 +77,6 @@ def _unlocked(instance: models.Model, method: str) -> Callable[..., Any]:
     return getattr(instance, method)  # type: ignore[no-any-return]
 
 
-class _Release:
-    """The ``on_commit`` callback; freeing it uncalled (a rollback) releases too."""
-
-    def __init__(self, held: HeldLock) -> None:
-        self.held = held
-        self._finalizer = weakref.finalize(self, held._release_quietly)
-
-    def __call__(self) -> None:
-        self._finalizer()
-
-
 def _under_lock(
     instance: models.Model,
     write: Callable[[HeldLock], Any],
@@ -107,9 +95,7 @@ def _under_lock(
     except BaseException:
         held._release_quietly()
         raise
-    if release_on_commit and transaction.get_connection(db).in_atomic_block:
-        transaction.on_commit(_Release(held), using=db)
-    else:
+    if not (release_on_commit and release_at_transaction_end(held, db)):
         held.release()
     return result
 

@@ -1,7 +1,11 @@
 """One renewal thread per process for every held lease.
 
 Each held lease is renewed at a third of its TTL, so two renewals can fail in
-a row before it runs out. The thread keeps a heap of due times and weak
+a row before it runs out. The watchdog thread only schedules: the renewal
+calls run on one thread per backend alias (:class:`Renewer`), so that one
+slow or unreachable service never delays another backend's renewals, and a
+renewal that has not come back when its lease runs out marks the lease lost
+then (``HeldLock._due``). The thread keeps a heap of due times and weak
 references: a handle that nobody references any more is simply not renewed
 and its lease expires on the server, which is how a forgotten lock still ends.
 
@@ -14,22 +18,33 @@ ends.
 After ``fork()`` the child starts with an empty watchdog: the parent's leases
 belong to the parent, and a child renewing them would keep them alive after
 the parent died.
+
+On a backend whose leases share one server-side lease (etcd's session lease,
+``supports_shared_leases``), renewing any handle keeps every key under it
+alive, a forgotten one included. There the handle's finalizer asks the
+watchdog to release the forgotten lease when it would have run out
+(:meth:`Watchdog.call_at`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 import os
+import queue
 import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .lock import HeldLock
+
+logger = logging.getLogger("django_dlock")
 
 _Entry = tuple[float, int, "weakref.ref[HeldLock]", int]
 
@@ -46,6 +61,9 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         # When the thread will next wake by itself; read without the lock.
         self._wake_at = math.inf
+        # call_at() actions not run yet (the heap holds them weakly).
+        self._timers: set[_Timer] = set()
+        self._renewers: dict[str, Renewer] = {}
 
     def schedule(self, held: HeldLock, delay: float) -> None:
         """Renew ``held`` in ``delay`` seconds, replacing any earlier schedule."""
@@ -57,6 +75,32 @@ class Watchdog:
         elif due < self._wake_at or len(self._incoming) > DRAIN_AT:
             with self._cond:
                 self._cond.notify()
+
+    def call_at(self, due: float, action: Callable[[], None]) -> None:
+        """Run ``action`` on the watchdog thread at ``time.monotonic()`` instant ``due``.
+
+        Safe to call from a finalizer, which may run in any thread, the
+        watchdog's own included, while it holds its lock.
+        """
+        timer = _Timer(self, action)
+        self._timers.add(timer)
+        timer._watch_generation += 1
+        ref: weakref.ref[HeldLock] = weakref.ref(timer)  # type: ignore[arg-type]
+        self._incoming.append((due, next(self._seq), ref, timer._watch_generation))
+        if self._thread is None:
+            threading.Thread(target=self._start, daemon=True).start()
+        elif self._cond.acquire(blocking=False):
+            try:
+                self._cond.notify()
+            finally:
+                self._cond.release()
+        else:
+            # Whoever holds the lock may be this very thread: wake it from another.
+            threading.Thread(target=self._wake, daemon=True).start()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
     def _start(self) -> None:
         with self._cond:
@@ -115,11 +159,78 @@ class Watchdog:
                 # under this lock, so an entry due sooner cannot be missed.
                 self._cond.wait(None if math.isinf(delay) else delay)
 
+    def renewer(self, alias: str) -> Renewer:
+        """The thread that talks to backend ``alias`` for this watchdog."""
+        renewer = self._renewers.get(alias)
+        if renewer is None:
+            with self._cond:
+                renewer = self._renewers.setdefault(alias, Renewer(alias))
+        return renewer
+
     def _run(self) -> None:
         while True:
             held = self._next_due()
-            held._renew()
+            held._due()
             del held
+
+
+class Renewer:
+    """One thread per backend alias that makes that backend's renewal calls.
+
+    The watchdog thread only schedules; the calls to a lock service run here,
+    so a slow or unreachable service delays only its own backend's renewals.
+    The thread ends after IDLE seconds without work and starts again on demand.
+    """
+
+    IDLE = 30.0
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._mutex = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Callable[[], None]) -> None:
+        self._queue.put(work)
+        # Under the mutex: the thread may be deciding to end because it was idle.
+        with self._mutex:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"django-dlock-renew-{self.alias}", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                work = self._queue.get(timeout=self.IDLE)
+            except queue.Empty:
+                with self._mutex:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            try:
+                work()
+            except Exception:
+                logger.exception("A renewal on %r failed", self.alias)
+            del work
+
+
+class _Timer:
+    """A one-off action, scheduled on the heap like a renewal (``_renew`` runs it)."""
+
+    def __init__(self, watchdog: Watchdog, action: Callable[[], None]) -> None:
+        self._watchdog = watchdog
+        self._action = action
+        self._watch_generation = 0
+
+    def _due(self) -> None:
+        self._watchdog._timers.discard(self)
+        try:
+            self._action()
+        except Exception:
+            logger.exception("A watchdog action failed")
 
 
 def _live(entry: _Entry) -> bool:

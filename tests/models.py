@@ -31,3 +31,12 @@ class LockedNote(LockedSaveMixin):
 
     def __str__(self) -> str:
         return self.text
+
+
+class Counter(models.Model):
+    """A row that threads read, increment and write back under a lock."""
+
+    value = models.IntegerField(default=0)
+
+    def __str__(self) -> str:
+        return str(self.value)

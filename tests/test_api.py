@@ -227,3 +227,22 @@ def test_owner_tokens_are_unique() -> None:
     owners = {new_owner() for _ in range(10_000)}
     assert len(owners) == 10_000
     assert all(len(o) == 32 for o in owners)
+
+
+def test_a_long_lived_lock_keeps_no_released_handles() -> None:
+    """``h = lk.acquire(); h.release()`` in a loop kept every handle (issue 15)."""
+    import gc
+    import weakref
+
+    lk = lock("api:long-lived", backend="locmem")
+    refs = []
+    for _ in range(500):
+        h = lk.acquire()
+        h.release()
+        refs.append(weakref.ref(h))
+    lk.acquire().release()
+    del h
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) == 0
+    with lk as held:  # the object still works as a context manager
+        assert held.token > 0

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from celery.backends.redis import RedisBackend
 from celery.result import AsyncResult
@@ -165,6 +166,53 @@ def test_queue_scope_enqueues_once_per_key(worker: Worker, log: str) -> None:
     assert len(events) == KEYS
     assert sorted(tokens) == sorted(e["token"] for e in events)
     eventually(lambda: held(f"dedup-q:{run}") == [], 10, "queue leases released")
+
+
+def test_a_message_delivered_twice_runs_its_body_once(redis_worker: Worker, log: str) -> None:
+    """Redelivery (acks_late, a visibility timeout) hands the worker the same message again.
+
+    Both copies carry the same ticket. The first adopts it; the second must be
+    refused and then follow on_locked ("skip"), not run a second body with
+    the same token.
+    """
+    from celery import Task
+    from celery.signals import before_task_publish
+
+    from django_dlock.celery import HEADER
+
+    key = f"twice-{uuid.uuid4().hex[:6]}"
+    go = f"{log}.go"
+    tickets: list[Any] = []
+
+    def capture(headers: dict[str, Any], **kwargs: Any) -> None:
+        if HEADER in headers:
+            tickets.append(headers[HEADER])
+
+    before_task_publish.connect(capture, weak=False)
+    try:
+        sent = redis_worker.send(tasks.dedup_queued, key, log, go)
+    finally:
+        before_task_publish.disconnect(capture)
+    [ticket] = tickets
+    eventually(lambda: len(tasks.read_log(log)) == 1, 30, "the first body started")
+    # The same message again: same id, arguments and headers.
+    with app.connection_for_write(redis_worker.broker) as conn, conn.Producer() as producer:
+        Task.apply_async(
+            tasks.dedup_queued,
+            (key, log, go),
+            task_id=sent.id,
+            headers={HEADER: ticket},
+            producer=producer,
+            queue=redis_worker.queue,
+        )
+    broker = redis.Redis.from_url(redis_worker.broker)
+    eventually(lambda: broker.llen(redis_worker.queue) == 0, 30, "the copy taken by the worker")
+    time.sleep(2)  # a second body would have started by now
+    events = tasks.read_log(log)
+    Path(go).touch()
+    assert len(events) == 1, events
+    assert redis_worker.get(sent) in (events[0]["token"], None)
+    eventually(lambda: held(f"dedup-q:{key}") == [], 10, "the lease released")
 
 
 # --- lifecycle (Redis broker) -------------------------------------------------------------

@@ -572,3 +572,26 @@ def test_settings_alias_uses_the_cluster(etcd_servers: dict[str, Any]) -> None:
     backend = locks["etcd-cluster"]
     assert isinstance(backend, EtcdBackend)
     assert backend.endpoints == [m.endpoint for m in etcd_servers["cluster"]]
+
+
+def test_a_forgotten_handle_ends_while_other_locks_are_renewed(
+    single: EtcdServer, name: str
+) -> None:
+    """Every renewed key shares the session lease: renewing one kept a dropped one alive.
+
+    Issue 15: with TTL 2 s the dropped handle's key was still held after 8 s,
+    while the process held another lock. The watchdog now releases it when
+    its lease would have run out.
+    """
+    import gc
+
+    backend = locks["etcd"]
+    keeper = backend.acquire(f"{name}:kept", ttl=2)  # renewed all along
+    backend.acquire(f"{name}:forgotten", ttl=2)  # the handle is dropped at once
+    gc.collect()
+    with pytest.raises(LockTimeout):
+        backend.acquire(f"{name}:forgotten", timeout=0)  # not ended early
+    with backend.acquire(f"{name}:forgotten", timeout=8) as again:
+        again.ensure()
+    keeper.ensure()
+    keeper.release()

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from django_dlock import BackendUnavailable, LockTimeout, lock, locks
 from django_dlock.backends.base import Grant
 from django_dlock.backends.redis import WAITER_LEASE_MS, RedisBackend
 from django_dlock.checks import check_backends
+from tests.netproxy import Proxy
 from tests.servers import RedisServer, free_port, redis_cli, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,6 +78,9 @@ def test_keys_are_as_documented(redis_servers: dict[str, Any], name: str) -> Non
     assert client.exists(f"{{dlock:0}}:lock:{name}") == 0
     assert client.zscore("{dlock:0}:idx", name) is None
     assert int(client.hget("{dlock:0}:fence", name)) == held.token
+    # The release request's marker: 2 x socket_timeout (5 s) by default.
+    [marker] = client.keys(f"{{dlock:0}}:done:{held.owner}:*")
+    assert 0 < client.pttl(marker) <= 10_000
 
 
 def test_expired_entries_leave_the_index(redis_servers: dict[str, Any], name: str) -> None:
@@ -595,3 +600,135 @@ def test_a_holder_that_is_not_json_is_listed_as_unparsed(
             f"{name}:odd": "not json",
         }
     locks["redis"].break_lock(f"{name}:odd")
+
+
+# --- a server that stalls: retries after a socket timeout (issue 15) -------------------------
+
+
+class _Stalled:
+    """A redis-server of the test's own behind a proxy that can hold its replies.
+
+    The server runs each command at once; a held reply makes the client's
+    socket timeout fire on a command that did take effect, and the client
+    cannot know whether it did. (A server frozen with SIGSTOP does not make
+    this reproducible: whether it runs a command from a connection the
+    client has closed since is up to the kernel.)
+    """
+
+    def __init__(self) -> None:
+        self.server = RedisServer(free_port()).start()
+        self.proxy = Proxy(self.server.port)
+
+    def backend(self, alias: str, *, direct: bool = False, **options: Any) -> RedisBackend:
+        url = self.server.url if direct else self.proxy.url
+        return RedisBackend(alias, {"LOCATION": url, "OPTIONS": options})
+
+    def stall(self, seconds: float) -> None:
+        self.proxy.stall_replies(seconds)
+
+    @staticmethod
+    def load_scripts(backend: RedisBackend) -> None:
+        """Run each script once: a command answered NOSCRIPT would not have taken effect."""
+        backend.acquire("warm-up", timeout=0).release()
+        backend.break_lock("warm-up")
+
+    def cleanup(self) -> None:
+        self.proxy.close()
+        self.server.cleanup()
+
+
+@pytest.fixture
+def stalled() -> Iterator[_Stalled]:
+    server = _Stalled()
+    yield server
+    server.cleanup()
+
+
+def test_a_resent_release_is_not_reported_lost(stalled: _Stalled, name: str) -> None:
+    from django_dlock.signals import lock_lost
+
+    backend = stalled.backend("stall", socket_timeout=0.3)
+    stalled.load_scripts(backend)
+    lost: list[Any] = []
+    lock_lost.connect(lambda **kw: lost.append(kw), weak=False, dispatch_uid="stall-release")
+    try:
+        held = backend.acquire(name, ttl=30, renew=False)
+        stalled.stall(0.4)  # past the timeout, not its resend: the release is resent
+        held.release()
+    finally:
+        lock_lost.disconnect(dispatch_uid="stall-release")
+    assert held.released and lost == []
+    assert backend.list(name) == []
+
+
+def test_a_break_resent_after_a_timeout_does_not_break_the_next_holder(
+    stalled: _Stalled, name: str
+) -> None:
+    """Fair mode hands the lock on within the break; a resent break must not break that too."""
+    breaker = stalled.backend("stall", socket_timeout=0.3, fair=True)
+    patient = stalled.backend("stall", direct=True, fair=True)
+    stalled.load_scripts(breaker)
+    first = patient.acquire(name, ttl=30, renew=False)
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(patient.acquire(name, timeout=30)))
+    waiter.start()
+    client = raw(stalled.server)
+    wait_for(lambda: client.llen(patient._keys(name).queue) == 1, 10, "the waiter queued")
+    stalled.stall(0.4)  # past the timeout, not its resend: the break is resent
+    assert breaker.break_lock(name) is True
+    waiter.join(timeout=30)
+    [second] = got
+    assert second.token > first.token
+    second.ensure()  # handed the lock by the break, and not broken by its resend
+    [info] = patient.list(name)
+    assert info.token == second.token
+    second.release()
+
+
+def test_a_first_attempt_that_timed_out_leaves_no_lease(stalled: _Stalled, name: str) -> None:
+    """The attempt ran on the server after the client gave up; it must be released."""
+    backend = stalled.backend("stall", socket_timeout=0.3)
+    stalled.load_scripts(backend)
+    stalled.stall(0.8)  # longer than the attempt and its one resend
+    with pytest.raises(BackendUnavailable):
+        backend.acquire(name, ttl=30, timeout=0)
+    deadline = time.monotonic() + 5
+    while backend.list(name):
+        assert time.monotonic() < deadline, f"a lease nobody holds: {backend.list(name)}"
+        time.sleep(0.05)
+    backend.acquire(name, ttl=30, timeout=0).release()
+
+
+def test_redlock_rides_out_a_master_that_never_answers(name: str) -> None:
+    """A master that accepts connections and never answers must cost one timeout, not every call.
+
+    Issue 15: on defaults (socket timeout 5 s) 7 locks took 35 s to acquire,
+    then every lease was lost, though two of three masters answered.
+    """
+    import socket
+
+    masters = [RedisServer(free_port()).start() for _ in range(2)]
+    hole = socket.create_server(("127.0.0.1", 0), backlog=128)  # never accepts, never answers
+    backend = RedisBackend(
+        "hole",
+        {
+            "BACKEND": REDIS,
+            "LOCATION": [
+                *(m.url for m in masters),
+                f"redis://127.0.0.1:{hole.getsockname()[1]}/0",
+            ],
+        },
+    )
+    try:
+        held = [backend.acquire(f"{name}:{i}", ttl=2, timeout=20) for i in range(7)]
+        time.sleep(5)  # two and a half TTLs: each lease renewed at ttl/3 meanwhile
+        for each in held:
+            assert not each.lost, each.lost_reason
+            each.ensure()
+        for each in held:
+            each.release()
+    finally:
+        backend.close()
+        hole.close()
+        for master in masters:
+            master.cleanup()

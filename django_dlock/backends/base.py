@@ -40,13 +40,17 @@ single-attempt primitives, as redis-py's ``Lock.acquire`` delegates to
 ``do_abandon(name, owner)``
     The waiter ``owner`` gives up (timeout or error): leave any queue it
     joined. The default does nothing.
-``do_detach(name, owner)`` / ``do_adopt(name, owner, state)``
+``do_detach(name, owner)`` / ``do_adopt(name, owner, new_owner, ttl, state)``
     Hand a held lease to another process: ``do_detach`` forgets it here
     without releasing it and returns what another process needs to keep it
-    (JSON-serializable; the default: nothing, the owner token is enough);
-    ``do_adopt`` takes that up before the base class confirms the lease with
-    ``do_extend`` (``adopt()``) or releases it with ``do_release``
-    (``release_ticket()``).
+    (JSON-serializable; the default: nothing, the owner token is enough).
+    ``do_adopt`` moves the live lease of ``owner`` to ``new_owner`` and makes
+    it run ``ttl`` seconds from now, in one atomic step on the service;
+    it returns False if ``owner`` no longer holds it (it ran out, was broken,
+    or was adopted already), so that one ticket is adopted at most once.
+``do_release_ticket(name, owner, state)``
+    Release a handed-over lease that nobody adopted; owner-checked like
+    ``do_release`` (the default calls it), so it is False once adopted.
 
 Capabilities are declared as class attributes, and the conformance suite
 skips, with the reason, what a backend declares it cannot do.
@@ -55,8 +59,12 @@ skips, with the reason, what a backend declares it cannot do.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
+import math
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, field
@@ -90,6 +98,21 @@ logger = logging.getLogger("django_dlock")
 BACKOFF_FIRST = 0.002
 BACKOFF_FACTOR = 2.0
 BACKOFF_CEILING = 0.1
+
+
+def backoff(attempt: int) -> float:
+    """The jittered sleep before retry ``attempt`` (0, 1, ...): doubling up to the ceiling.
+
+    The exponent stops growing once the ceiling is reached: ``2.0 ** 1024``
+    overflows a float, which a waiter reaches after about 77 s of 0.1 s sleeps.
+    """
+    ceiling = BACKOFF_FIRST * BACKOFF_FACTOR ** min(attempt, _BACKOFF_STEPS)
+    ceiling = min(BACKOFF_CEILING, ceiling)
+    return random.uniform(ceiling / 2, ceiling)
+
+
+# Doublings from BACKOFF_FIRST past BACKOFF_CEILING: more never change the ceiling.
+_BACKOFF_STEPS = 1 + math.ceil(math.log(BACKOFF_CEILING / BACKOFF_FIRST, BACKOFF_FACTOR))
 
 
 @dataclass(frozen=True)
@@ -156,6 +179,10 @@ class BaseLockBackend:
     #: How late after its end the service may still be deleting an expired
     #: lease, in seconds (etcd's leader looks for expired leases every 0.5 s).
     expiry_slack: ClassVar[float] = 0.0
+    #: Do held leases share one lease on the service, so that renewing one
+    #: keeps them all alive (etcd's session lease)? Then a forgotten handle's
+    #: lease is released by the watchdog when it would have run out.
+    supports_shared_leases: ClassVar[bool] = False
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
     allowed_options: ClassVar[frozenset[str]] = frozenset()
 
@@ -175,10 +202,10 @@ class BaseLockBackend:
             raise InvalidTTL(f"Lock backend {alias!r}: {e}", alias=alias) from e
         self.location = params.get("LOCATION")
         self.key_prefix = params.get("KEY_PREFIX", "") or ""
-        if not isinstance(self.key_prefix, str):
-            raise LockConfigurationError(
-                f"KEY_PREFIX of lock backend {alias!r} must be a str.", alias=alias
-            )
+        try:
+            validate_name(self.key_prefix, what="KEY_PREFIX")
+        except (TypeError, ValueError) as e:
+            raise LockConfigurationError(f"Lock backend {alias!r}: {e}", alias=alias) from e
         options = params.get("OPTIONS")
         if options is None:
             options = {}
@@ -249,13 +276,16 @@ class BaseLockBackend:
         """Forget ``owner``'s lease here without releasing it; return what adopting needs."""
         return None
 
-    def do_adopt(self, name: str, owner: str, state: Any) -> None:
-        """Take up a lease that ``do_detach`` handed over, before it is extended or released."""
+    def do_adopt(self, name: str, owner: str, new_owner: str, ttl: float, state: Any) -> bool:
+        raise NotImplementedError
+
+    def do_release_ticket(self, name: str, owner: str, state: Any) -> bool:
+        """Release a lease ``do_detach`` handed over, if ``owner`` still holds it."""
+        return self.do_release(name, owner)
 
     def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
         """Sleep an exponentially growing, jittered interval, never past the deadline."""
-        ceiling = min(BACKOFF_CEILING, BACKOFF_FIRST * BACKOFF_FACTOR**attempt)
-        delay = random.uniform(ceiling / 2, ceiling)
+        delay = backoff(attempt)
         time.sleep(delay if remaining is None else min(delay, remaining))
 
     def check(self) -> list[CheckMessage]:
@@ -340,6 +370,11 @@ class BaseLockBackend:
         the awaitable ones from the start, so both share one loop.
         """
         attempt = 0
+        # True while an attempt is out whose outcome we may never learn: sent,
+        # then a timeout, a lost connection or a cancelled task. The service
+        # may have granted it; nobody would hold that lease until its TTL ran
+        # out, so it is released (owner-checked) on the way out.
+        unknown = False
         try:
             while True:
                 if refused:
@@ -354,17 +389,22 @@ class BaseLockBackend:
                     yield ("wait", (name, owner, remaining, attempt), {})
                     attempt += 1
                 sent = time.monotonic()
+                unknown = True
                 result = yield ("acquire", (name, owner, ttl, holder[1]), {"renew": renew})
+                unknown = False
                 if result is not None:
                     break
                 refused = True
         except BaseException:
-            if refused:
+            for step, needed in (("abandon", refused or unknown), ("release", unknown)):
+                if not needed:
+                    continue
                 try:
-                    yield ("abandon", (name, owner), {})
+                    yield (step, (name, owner), {})
                 except Exception:
-                    # The queue entry expires on its own; the caller's error matters more.
-                    logger.warning("Could not leave the wait queue of %r on %r", name, self.alias)
+                    # The lease or queue entry expires on its own; the caller's
+                    # error matters more.
+                    logger.warning("Could not %s the attempt on %r on %r", step, name, self.alias)
             raise
         return self._handle_for(name, owner, ttl, holder[0], renew, result, sent)
 
@@ -400,17 +440,34 @@ class BaseLockBackend:
         holder = holder_metadata(ttl, metadata)
         deadline = None if timeout is None else time.monotonic() + timeout
         sent = time.monotonic()
-        result = self.do_acquire(name, owner, ttl, holder[1], renew=renew)
+        try:
+            result = self.do_acquire(name, owner, ttl, holder[1], renew=renew)
+        except BaseException as e:
+            # Its outcome is unknown: the loop, at this same attempt, gives it up.
+            steps = self._acquisition(name, owner, ttl, holder, timeout, deadline, renew, False)
+            next(steps)
+            return self._drive(steps, e)
         if result is not None:  # the uncontended case: no loop to drive
             return self._handle_for(name, owner, ttl, holder[0], renew, result, sent)
         steps = self._acquisition(name, owner, ttl, holder, timeout, deadline, renew, True)
+        return self._drive(steps, None, next(steps))
+
+    def _drive(
+        self,
+        steps: Generator[tuple[str, tuple[Any, ...], dict[str, Any]], Any, HeldLock],
+        error: BaseException | None,
+        step: Any = None,
+    ) -> HeldLock:
+        """Run the acquire loop on the sync primitives, from ``step`` or by throwing ``error``."""
         primitives: dict[str, Callable[..., Any]] = {
             "acquire": self.do_acquire,
             "wait": self.wait,
             "abandon": self.do_abandon,
+            "release": self.do_release,
         }
-        step: Any
-        done, step = False, next(steps)
+        done = False
+        if error is not None:
+            done, step = _advance(steps, error=error)
         while not done:
             kind, args, kwargs = step
             try:
@@ -434,7 +491,22 @@ class BaseLockBackend:
         if not self.native_async:
             # One worker thread for the whole acquisition, as the sync
             # primitives keep a refused attempt's state per thread.
-            return await asyncio.to_thread(self._acquire, name, ttl, timeout, metadata, renew)
+            handoff = _Handoff()
+
+            def acquire() -> HeldLock:
+                return handoff.deliver(self._acquire(name, ttl, timeout, metadata, renew))
+
+            acquiring = asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(contextvars.copy_context().run, acquire)
+            )
+            try:
+                return await asyncio.shield(acquiring)
+            except asyncio.CancelledError:
+                # The thread goes on, and may be granted the lock after the
+                # caller stopped waiting: whoever comes second releases it.
+                if handoff.abandon():
+                    acquiring.add_done_callback(_release_unwanted)
+                raise
         if ttl is None:
             ttl = self.default_ttl
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -444,6 +516,7 @@ class BaseLockBackend:
             "acquire": self.ado_acquire,
             "wait": self.await_,
             "abandon": self.ado_abandon,
+            "release": self.ado_release,
         }
         step: Any
         done, step = False, next(steps)
@@ -473,17 +546,18 @@ class BaseLockBackend:
         meantime, and ``ValueError`` for a ticket that is not one of ours or
         names another backend alias.
         """
-        name, owner, token, held_ttl, holder = self._take_up(ticket)
+        name, owner, token, held_ttl, holder, state = self._take_up(ticket)
         ttl = held_ttl if ttl is None else validate_ttl(ttl)
+        adopter = new_owner()
         sent = time.monotonic()
-        if not self.do_extend(name, owner, ttl):
+        if not self.do_adopt(name, owner, adopter, ttl, state):
             raise LockNotOwned(
                 f"Lock {name!r} (token {token}) on backend {self.alias!r} cannot be adopted: "
-                "its lease ran out or was broken.",
+                "its lease ran out, was broken, or was adopted already.",
                 name=name,
                 backend=self.alias,
             )
-        return HeldLock._granted(self, name, owner, token, ttl, sent + ttl, ttl, holder, renew)
+        return HeldLock._granted(self, name, adopter, token, ttl, sent + ttl, ttl, holder, renew)
 
     def release_ticket(self, ticket: Mapping[str, Any]) -> bool:
         """Release a lease that :meth:`HeldLock.detach` handed over, without adopting it.
@@ -491,13 +565,16 @@ class BaseLockBackend:
         For a handover that will not happen (the message carrying the ticket
         was not sent, or was revoked): one release, owner-checked on the lock
         service, instead of adopting and then releasing. False if the lease
-        had run out or been broken. Sends no signal: no handle held it here.
+        had run out, been broken or been adopted. Sends no signal: no handle
+        held it here.
         """
-        name, owner, *_ = self._take_up(ticket)
-        return self.do_release(name, owner)
+        name, owner, _, _, _, state = self._take_up(ticket)
+        return self.do_release_ticket(name, owner, state)
 
-    def _take_up(self, ticket: Mapping[str, Any]) -> tuple[str, str, int, float, dict[str, Any]]:
-        """Check a ticket and hand its backend state to ``do_adopt``; ValueError if it is bad."""
+    def _take_up(
+        self, ticket: Mapping[str, Any]
+    ) -> tuple[str, str, int, float, dict[str, Any], Any]:
+        """A ticket's name, owner, token, TTL, holder and backend state; ValueError if bad."""
         if not isinstance(ticket, Mapping) or ticket.get("v") != TICKET_VERSION:
             raise ValueError(f"Not a django-dlock lease ticket: {ticket!r}.")
         if ticket.get("backend") != self.alias:
@@ -513,8 +590,7 @@ class BaseLockBackend:
             raise ValueError(f"Malformed django-dlock lease ticket {ticket!r}: {e}") from e
         if not isinstance(owner, str) or not owner:
             raise ValueError(f"Malformed django-dlock lease ticket {ticket!r}: no owner.")
-        self.do_adopt(name, owner, ticket.get("state"))
-        return name, owner, token, held_ttl, holder
+        return name, owner, token, held_ttl, holder, ticket.get("state")
 
     def drift(self, ttl: float) -> float:
         """Seconds of a ``ttl`` lease that a holder must not count on.
@@ -530,8 +606,7 @@ class BaseLockBackend:
 
     def list(self, prefix: str = "") -> list[LockInfo]:
         """Live leases whose names start with ``prefix``, sorted by name."""
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}.")
+        prefix = validate_name(prefix, what="A lock name prefix")
         return sorted(self.do_list(prefix), key=attrgetter("name"))
 
     def break_lock(self, name: str, token: int | None = None) -> bool:
@@ -564,6 +639,43 @@ class BaseLockBackend:
         started = time.monotonic()
         version, warnings = self.do_ping()
         return ServerStatus(self.alias, version, time.monotonic() - started, warnings)
+
+
+class _Handoff:
+    """Between an async acquire's worker thread and a caller that may stop waiting.
+
+    Either the thread delivers the handle before the caller abandons it (then
+    the caller's side releases it once the thread's result arrives), or the
+    caller abandons first (then the thread releases what it gets).
+    """
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._abandoned = False
+        self._delivered = False
+
+    def deliver(self, held: HeldLock) -> HeldLock:
+        with self._mutex:
+            self._delivered = not self._abandoned
+        if not self._delivered:
+            held._release_quietly()
+        return held
+
+    def abandon(self) -> bool:
+        """Mark the result unwanted; True if it was delivered already (the caller releases)."""
+        with self._mutex:
+            self._abandoned = True
+            return self._delivered
+
+
+def _release_unwanted(acquiring: asyncio.Future[HeldLock]) -> None:
+    """Release a delivered handle whose caller stopped waiting (off the event loop)."""
+    if acquiring.cancelled() or acquiring.exception() is not None:
+        return
+    held = acquiring.result()
+    threading.Thread(
+        target=held._release_quietly, name="django-dlock-unwanted", daemon=True
+    ).start()
 
 
 def _advance(

@@ -57,8 +57,11 @@ SUPPORTED_VENDORS = ("sqlite", "postgresql", "mysql")
 _NOW = {
     # statement_timestamp(): start of the statement, stable within it.
     "postgresql": "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000000)::bigint",
-    # NOW(6): start of the statement, stable within it.
-    "mysql": "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)",
+    # UTC_TIMESTAMP(6): start of the statement, stable within it, and in UTC
+    # whatever the session's time_zone. (UNIX_TIMESTAMP(NOW(6)) went through
+    # the session time zone: in a zone with daylight saving, local times in
+    # the repeated hour map to the wrong instant, and the clock jumped an hour.)
+    "mysql": "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))",
     # 'now' is stable within one sqlite3_step(); '%f' is "SS.SSS" (milliseconds).
     # '%%' because Django's SQLite cursor turns '%s' into a placeholder.
     "sqlite": (
@@ -95,6 +98,7 @@ class _Statements:
     acquire: str
     acquire_insert: str | None
     release: str
+    adopt: str
     extend: str
     check: str
     break_: str
@@ -161,6 +165,14 @@ def _statements(vendor: str, table: str) -> _Statements:
         release=(
             f"UPDATE {table} SET owner = NULL, acquired_at_us = NULL, expires_at_us = NULL,"
             f" holder = '' WHERE digest = %s AND owner = %s AND expires_at_us > {now}"
+        ),
+        # Compare-and-move: a handed-over lease changes owner, so that a second
+        # adoption of the same ticket finds it gone. The token stays.
+        # params: new owner, ttl (us), digest, owner
+        # returns: rowcount 1 if owner held a live lease, else 0.
+        adopt=(
+            f"UPDATE {table} SET owner = %s, expires_at_us = {now} + %s"
+            f" WHERE digest = %s AND owner = %s AND expires_at_us > {now}"
         ),
         # Compare-and-extend: the lease runs ttl from now by the server clock.
         # params: ttl (us), digest, owner
@@ -433,6 +445,11 @@ class DatabaseBackend(BaseLockBackend):
 
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
         return self._rowcount(name, "extend", [_micros(ttl), self._key(name), owner], owner)
+
+    def do_adopt(self, name: str, owner: str, new_owner: str, ttl: float, state: Any) -> bool:
+        return self._rowcount(
+            name, "adopt", [new_owner, _micros(ttl), self._key(name), owner], owner
+        )
 
     def do_break(self, name: str, token: int | None) -> bool:
         if token is None:

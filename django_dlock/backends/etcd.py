@@ -128,6 +128,10 @@ def _created_at(key: bytes, revision: int) -> Any:
     )
 
 
+def _leased_by(key: bytes, lease_id: int) -> Any:
+    return rpc.Compare(key=key, target=rpc.Compare.LEASE, result=rpc.Compare.EQUAL, lease=lease_id)
+
+
 def _get(key: bytes, end: bytes | None = None, **kwargs: Any) -> Any:
     request = rpc.RangeRequest(key=key, range_end=end or b"", **kwargs)
     return rpc.RequestOp(request_range=request)
@@ -501,9 +505,11 @@ class _State:
         self.sessions: dict[int, list[_Lease]] = {}
         #: owner token -> its acquisition
         self.entries: dict[str, _Entry] = {}
-        #: key -> create revision of keys that a release or give-up could not
-        #: delete (etcd unreachable) and that a session lease would keep alive
-        self.orphans: dict[bytes, int] = {}
+        #: key -> the compare that identifies our key (its create revision, or
+        #: our session lease when the revision is unknown), for keys that a
+        #: release or give-up could not delete (etcd unreachable) and that a
+        #: session lease would keep alive
+        self.orphans: dict[bytes, Any] = {}
 
 
 _backends: weakref.WeakSet[EtcdBackend] = weakref.WeakSet()
@@ -528,6 +534,7 @@ class EtcdBackend(BaseLockBackend):
     """Locks in etcd v3; see the module docstring for the algorithm and key layout."""
 
     supports_fair = True
+    supports_shared_leases = True
     wakes_waiters = True
     #: etcd leases are whole seconds, and etcd grants none shorter than about
     #: 1.5 election timeouts: a TTL is rounded up to a whole second.
@@ -850,6 +857,10 @@ class EtcdBackend(BaseLockBackend):
             return self.do_acquire(name, owner, ttl, holder, renew)
         except BaseException:
             self._forget(owner)
+            if not lease.private:
+                # The put may have been applied (a timeout, a cancelled call):
+                # the session lease would keep that key alive for good.
+                self._delete_unknown(key, lease)
             raise
         entry.revision = reply.header.revision
         ahead = [kv for kv in reply.responses[1].response_range.kvs if kv.key != key]
@@ -958,24 +969,75 @@ class EtcdBackend(BaseLockBackend):
             "lease_ttl": entry.lease.ttl,
         }
 
-    def do_adopt(self, name: str, owner: str, state: Any) -> None:
+    def _ticket(self, name: str, state: Any) -> tuple[bytes, bytes, int, int]:
+        """A ticket's lock base, key, create revision and the lease it was handed over on."""
         try:
             key = bytes.fromhex(state["key"])
-            revision, lease_id, seconds = (
-                int(state["revision"]),
-                int(state["lease"]),
-                int(state["lease_ttl"]),
-            )
+            revision, lease_id = int(state["revision"]), int(state["lease"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"Malformed etcd lease ticket state {state!r}: {e}") from e
         base = self._names(name)[0]
         if not key.startswith(base):
             raise ValueError(f"The ticket's etcd key {key!r} is not under lock {name!r}.")
-        # Private: adopting took it over for this acquisition alone, and its
-        # expiry is unknown here until the keep-alive that confirms it.
-        lease = _Lease(lease_id, seconds, 0.0, private=True)
+        return base, key, revision, lease_id
+
+    def do_adopt(self, name: str, owner: str, new_owner: str, ttl: float, state: Any) -> bool:
+        """Move the key from the ticket's lease to a new lease of the adopter's.
+
+        ``do_detach`` put the key under a lease of its own, named in the ticket.
+        The move compares the key's lease with that one, so the first adopter
+        wins and a second finds the key under another lease and is refused.
+        """
+        base, key, revision, ticket_lease = self._ticket(name, state)
+        lease = self._grant(name, _seconds(ttl), private=True)
+        retried: list[bool] = []
+        try:
+            reply = self._txn(
+                name,
+                _txn(
+                    [_created_at(key, revision), _leased_by(key, ticket_lease)],
+                    [
+                        rpc.RequestOp(
+                            request_put=rpc.PutRequest(key=key, lease=lease.id, ignore_value=True)
+                        )
+                    ],
+                    [_get(key, keys_only=True)],
+                ),
+                ambiguous=retried,
+            )
+        except BaseException:
+            self._revoke_quietly(lease)
+            raise
+        moved = bool(reply.succeeded)
+        if not moved and retried:
+            # The try that failed over may have moved it for us.
+            [kv] = reply.responses[0].response_range.kvs or [None]
+            moved = kv is not None and kv.create_revision == revision and kv.lease == lease.id
+        if not moved:
+            self._revoke_quietly(lease)
+            return False
+        self._revoke_quietly(_Lease(ticket_lease, 0, 0.0, private=True))
         with self.state.mutex:
-            self.state.entries[owner] = _Entry(base, key, lease, lease, revision)
+            self.state.entries[new_owner] = _Entry(base, key, lease, lease, revision)
+        return True
+
+    def do_release_ticket(self, name: str, owner: str, state: Any) -> bool:
+        _, key, revision, ticket_lease = self._ticket(name, state)
+        retried: list[bool] = []
+        reply = self._txn(
+            name,
+            _txn(
+                [_created_at(key, revision), _leased_by(key, ticket_lease)],
+                [_delete(key)],
+                [_get(key, keys_only=True)],
+            ),
+            ambiguous=retried,
+        )
+        self._revoke_quietly(_Lease(ticket_lease, 0, 0.0, private=True))
+        # A try that failed over may have deleted it: then the key is gone.
+        if reply.succeeded:
+            return True
+        return bool(retried) and not reply.responses[0].response_range.kvs
 
     def do_abandon(self, name: str, owner: str) -> None:
         entry = self._forget(owner, revoke=False)
@@ -993,20 +1055,26 @@ class EtcdBackend(BaseLockBackend):
         except BackendUnavailable:
             if not entry.lease.private:
                 # The session lease would keep the key alive: delete it later.
-                self.state.orphans[entry.key] = entry.revision
+                self.state.orphans[entry.key] = _created_at(entry.key, entry.revision)
             raise
         finally:
             if entry.lease.private:
                 self._revoke_quietly(entry.lease)
 
+    def _delete_unknown(self, key: bytes, lease: _Lease) -> None:
+        """Delete ``key`` if our ``lease`` holds it; quietly, later if etcd is unreachable."""
+        ours = _leased_by(key, lease.id)
+        try:
+            self.state.transport.call("kv", "Txn", _txn([ours], [_delete(key)]))
+        except grpc.RpcError:
+            self.state.orphans[key] = ours
+
     def _sweep_orphans(self) -> None:
         """Delete keys that an earlier release could not; quietly, stopping at an error."""
         orphans = self.state.orphans
-        for key, revision in list(orphans.items()):
+        for key, ours in list(orphans.items()):
             try:
-                self.state.transport.call(
-                    "kv", "Txn", _txn([_created_at(key, revision)], [_delete(key)])
-                )
+                self.state.transport.call("kv", "Txn", _txn([ours], [_delete(key)]))
             except grpc.RpcError:
                 return  # unreachable again; the next call that gets through tries again
             orphans.pop(key, None)

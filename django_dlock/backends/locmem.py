@@ -100,6 +100,15 @@ class LocMemBackend(BaseLockBackend):
             lease.expires = now + ttl
             return True
 
+    def do_adopt(self, name: str, owner: str, new_owner: str, ttl: float, state: Any) -> bool:
+        with self._store.cond:
+            now = time.monotonic()
+            lease = self._live(self._key(name), now)
+            if lease is None or lease.owner != owner:
+                return False
+            lease.owner, lease.expires = new_owner, now + ttl
+            return True
+
     def do_check(self, name: str, owner: str) -> bool:
         with self._store.cond:
             lease = self._live(self._key(name), time.monotonic())

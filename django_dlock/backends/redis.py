@@ -33,6 +33,9 @@ keys always share one Redis Cluster slot::
     {Pdlock:s}:qt:N       zset    queued waiter -> deadline in ms by the server clock
     {Pdlock:s}:qi:N       hash    queued waiter -> "ttl_ms:holder JSON", for the hand-over
     {Pdlock:s}:sig:W      list    where queued waiter W learns it was handed the lock
+    {Pdlock:s}:done:O:n   string  set for a few seconds when owner O's release request n
+                                  ran, so a resent RELEASE answers as the first did
+    {Pdlock:s}:done:break:R       the same for BREAK request R (a random id)
 
 Waiters queue from their first refusal with ``fair``, and otherwise once they
 have waited STARVE_AFTER; see ``docs/backends/redis.md``.
@@ -50,12 +53,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import os
+import secrets
 import threading
 import time
 import weakref
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -90,6 +96,11 @@ WAIT_CAP = 1.0
 #: dropped from the queue; an unfair waiter's "someone waits" flag lasts as
 #: long. Must exceed WAIT_CAP comfortably.
 WAITER_LEASE_MS = 3000
+#: Redlock: a master with calls out that has answered none for this long gets
+#: no new ones until they return (they end by the socket timeout at the latest).
+STUCK_AFTER = 0.5
+#: Redlock: threads per master for calling the masters at once.
+POOL_PER_MASTER = 4
 #: How long a wake-up element survives if nobody pops it.
 SIGNAL_TTL_MS = 2000
 #: Without ``fair``, a waiter that has waited this long joins the queue, and
@@ -259,13 +270,27 @@ return 1
 """
 )
 
+# Retries (a socket timeout, a connection lost after the command was sent; our
+# client resends once, a Cluster or django-redis client by its own policy) may
+# run a script twice. RELEASE and BREAK change what the next run sees, so a
+# successful run leaves a short-lived marker that makes the repeat answer as
+# the first did: t0 RELEASE runs, t1 its reply is lost, t2 the resent RELEASE
+# finds the lock no longer ours but the marker there, and answers 1 instead of
+# reporting the lease lost (or, in fair mode, BREAK breaking the waiter it had
+# just handed the lock to).
+
 # Release: compare the owner, delete, drop the index entry, pass the lock on.
-# Returns 1 if ARGV[1] held the lock, else 0.
+# KEYS[9] this release request's marker; ARGV[8] the marker's lifetime in ms
+# Returns 1 if ARGV[1] held the lock (or an earlier run released it), else 0.
 RELEASE = (
-    _OWNED
-    + """
+    """
+local value = redis.call('get', KEYS[1])
+if not value or string.sub(value, 1, #ARGV[1] + 1) ~= ARGV[1] .. ':' then
+    return redis.call('exists', KEYS[9])
+end
 redis.call('del', KEYS[1])
 redis.call('zrem', KEYS[3], ARGV[3])
+redis.call('set', KEYS[9], 1, 'PX', ARGV[8])
 """
     + _PASS_ON
 )
@@ -274,9 +299,12 @@ redis.call('zrem', KEYS[3], ARGV[3])
 # ARGV[8] "" breaks any holder; a fencing token breaks only the lease with
 # that token, or with ARGV[9] = "le" (Redlock, where each master numbers a
 # lease on its own and the caller knows the largest) one numbered no higher.
-# Returns 1 if a lease was deleted, else 0.
+# KEYS[9] the marker of this break request (a random id); ARGV[10] its
+# lifetime in ms.
+# Returns 1 if a lease was deleted (by this or an earlier run), else 0.
 BREAK = (
     """
+if redis.call('exists', KEYS[9]) == 1 then return 1 end
 local value = redis.call('get', KEYS[1])
 if not value then
     redis.call('zrem', KEYS[3], ARGV[3])
@@ -289,6 +317,7 @@ if ARGV[8] ~= '' then
 end
 redis.call('del', KEYS[1])
 redis.call('zrem', KEYS[3], ARGV[3])
+redis.call('set', KEYS[9], 1, 'PX', ARGV[10])
 """
     + _PASS_ON
 )
@@ -330,6 +359,25 @@ redis.call('pexpire', KEYS[1], ARGV[2])
 return 1
 """
 )
+
+# Adopt: move a handed-over lease from the ticket's owner to the adopter,
+# keeping its token, and make it run ARGV[3] ms from now. Once moved, the
+# ticket's owner no longer matches, so a second adoption is refused; a
+# retry by the same adopter (its reply was lost) finds the lease its own.
+# KEYS[1] lock; ARGV[1] owner in the ticket, ARGV[2] adopter's owner token,
+# ARGV[3] ttl ms
+# Returns 1 if the lease is now ARGV[2]'s, else 0.
+ADOPT = """
+local value = redis.call('get', KEYS[1])
+if not value then return 0 end
+if string.sub(value, 1, #ARGV[2] + 1) == ARGV[2] .. ':' then
+    redis.call('pexpire', KEYS[1], ARGV[3])
+    return 1
+end
+if string.sub(value, 1, #ARGV[1] + 1) ~= ARGV[1] .. ':' then return 0 end
+redis.call('set', KEYS[1], ARGV[2] .. string.sub(value, #ARGV[1] + 1), 'PX', ARGV[3])
+return 1
+"""
 
 # List one page of one shard: up to ARGV[4] index entries in a lexicographic
 # range whose lock is still live, dropping entries whose lease expired. The
@@ -393,6 +441,7 @@ class _Keys:
     queue_deadlines: str
     queue_info: str
     signal_prefix: str
+    done_prefix: str
 
 
 def _redacted(location: str) -> str:
@@ -458,12 +507,49 @@ class _Node:
         self.dedicated = dedicated
         self.retries = retries
         self._local = threading.local()
+        #: Redlock: calls out and not returned, and when a call last started
+        #: with none out or returned (however: an error counts).
+        self.outstanding = 0
+        self.progress = time.monotonic()
+        self._count = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
         self.acquire = Script(client, ACQUIRE)
         self.release = Script(client, RELEASE)
         self.extend = Script(client, EXTEND)
+        self.adopt = Script(client, ADOPT)
         self.break_ = Script(client, BREAK)
         self.abandon = Script(client, ABANDON)
         self.list = Script(client, LIST)
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """Redlock: this master's threads, so that one that hangs ties up only its own."""
+        pool = self._pool
+        if pool is None:
+            with self._count:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(
+                        max_workers=POOL_PER_MASTER, thread_name_prefix="django-dlock-redlock"
+                    )
+                pool = self._pool
+        return pool
+
+    def call(self, call: Callable[[_Node], Any]) -> Any:
+        """``call(self)`` on one of this master's pool threads, counted while it is out."""
+        with self._count:
+            if not self.outstanding:
+                self.progress = time.monotonic()
+            self.outstanding += 1
+        try:
+            return call(self)
+        finally:
+            with self._count:
+                self.outstanding -= 1
+                self.progress = time.monotonic()
+
+    def stuck(self) -> bool:
+        """Calls are out and none has returned for STUCK_AFTER seconds."""
+        return bool(self.outstanding) and time.monotonic() - self.progress > STUCK_AFTER
 
     def run(self, script: Script, keys: list[Any], args: list[Any]) -> Any:
         if not self.direct:
@@ -555,6 +641,8 @@ class _Node:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.disconnect()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 class RedisBackend(BaseLockBackend):
@@ -610,6 +698,10 @@ class RedisBackend(BaseLockBackend):
             )
         self.shards = shards
         self._blocking_cap = min(WAIT_CAP, self.socket_timeout * 0.8)
+        # How long a RELEASE or BREAK marker lives: long enough for any resend
+        # of that command (each try waits at most socket_timeout).
+        self._done_ms = _ms(max(1.0, 2 * self.socket_timeout))
+        self._requests = itertools.count()
         self._nodes: list[_Node] | None = None
         self._mutex = threading.Lock()
         # The refused attempt's state, per thread and per asyncio task.
@@ -759,18 +851,57 @@ class RedisBackend(BaseLockBackend):
             queue_deadlines=f"{tag}:qt:{name}",
             queue_info=f"{tag}:qi:{name}",
             signal_prefix=f"{tag}:sig:",
+            done_prefix=f"{tag}:done:",
         )
 
     # --- running a script on one node or a quorum -------------------------------------
 
-    def _on_each(self, name: str, call: Any) -> list[Any]:
-        """Run ``call(node)`` on every node; an exception is recorded as the result."""
-        results: list[Any] = []
-        for node in self.nodes:
+    def _on_each(
+        self, name: str, call: Any, decided: Callable[[list[Any]], bool] | None = None
+    ) -> list[Any]:
+        """Run ``call(node)`` on every node; an exception is recorded as the result.
+
+        Redlock calls its masters at once, each on a thread of its own pool,
+        and returns as soon as ``decided(results)`` says the answers in hand
+        settle the outcome (results not in yet stay ``_PENDING``), or when
+        ``socket_timeout`` has passed: a master that accepts and never
+        answers costs one timeout, not one per master per call. A master with
+        a call still out past such a deadline is not sent another until it
+        answers (it counts as unavailable) once it has answered nothing for
+        STUCK_AFTER seconds, so it cannot tie up the pool.
+        """
+        nodes = self.nodes
+        if len(nodes) == 1:
             try:
-                results.append(call(node))
+                return [call(nodes[0])]
             except RedisError as e:
-                results.append(self._unavailable(name, e, node))
+                return [self._unavailable(name, e, nodes[0])]
+        results: list[Any] = [_PENDING] * len(nodes)
+        futures: dict[Future[Any], int] = {}
+        for i, node in enumerate(nodes):
+            if node.stuck():
+                results[i] = self._unavailable(name, _Stuck(node.label), node)
+                continue
+            futures[node.pool.submit(node.call, call)] = i
+        pending = set(futures)
+        deadline = time.monotonic() + self.socket_timeout
+        while pending and not (decided is not None and decided(results)):
+            done, pending = wait(
+                pending, timeout=max(deadline - time.monotonic(), 0), return_when=FIRST_COMPLETED
+            )
+            if not done:
+                break
+            for future in done:
+                i = futures[future]
+                try:
+                    results[i] = future.result()
+                except RedisError as e:
+                    results[i] = self._unavailable(name, e, nodes[i])
+        if decided is not None and decided(results):
+            return results  # the ones still out do not matter: they stay _PENDING
+        for i, result in enumerate(results):
+            if result is _PENDING:
+                results[i] = self._unavailable(name, _Stuck(nodes[i].label), nodes[i])
         return results
 
     def _single(self, name: str, call: Any) -> Any:
@@ -783,13 +914,22 @@ class RedisBackend(BaseLockBackend):
     def _quorum_bool(self, name: str, call: Any) -> bool:
         if not self.redlock:
             return bool(self._single(name, call))
-        results = self._on_each(name, call)
+        results = self._on_each(name, call, self._settled(lambda r: bool(r)))
         errors = [r for r in results if isinstance(r, BackendUnavailable)]
         if len(errors) > len(results) - self.quorum:
             raise errors[0]
-        return sum(1 for r in results if r is not None and not isinstance(r, Exception) and r) >= (
-            self.quorum
-        )
+        return sum(1 for r in results if _answer(r) and r) >= self.quorum
+
+    def _settled(self, success: Callable[[Any], bool]) -> Callable[[list[Any]], bool]:
+        """``decided`` for _on_each: a quorum succeeded, or too many cannot."""
+        quorum, count = self.quorum, len(self.locations)
+
+        def decided(results: list[Any]) -> bool:
+            answered = [r for r in results if r is not _PENDING]
+            good = sum(1 for r in answered if _answer(r) and success(r))
+            return good >= quorum or len(answered) - good > count - quorum
+
+        return decided
 
     # --- primitives -------------------------------------------------------------------
 
@@ -825,7 +965,11 @@ class RedisBackend(BaseLockBackend):
 
     def _release_args(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
         k = self._keys(name)
-        return self._lock_keys(k), [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix, ""]
+        # The marker names this request, so that a resend of it finds it but a
+        # second release of the same owner (a ticket released twice) does not.
+        keys = [*self._lock_keys(k), f"{k.done_prefix}{owner}:{next(self._requests)}"]
+        args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix, "", self._done_ms]
+        return keys, args
 
     def _outcome(self, reply: Any, owner: str, sent: float) -> int | Grant | None:
         """Read an acquire reply; on a refusal, note what wait() needs."""
@@ -860,9 +1004,9 @@ class RedisBackend(BaseLockBackend):
         sent = time.monotonic()
         if not self.redlock:
             return self._outcome(self._single(name, call), owner, sent)
-        results = self._on_each(name, call)
+        results = self._on_each(name, call, self._settled(_granted))
         errors = [r for r in results if isinstance(r, BackendUnavailable)]
-        outcomes = [self._outcome(r, owner, sent) for r in results if not isinstance(r, Exception)]
+        outcomes = [self._outcome(r, owner, sent) for r in results if _answer(r)]
         granted = [o for o in outcomes if o is not None]
         validity = ttl - (time.monotonic() - sent) - self.drift(ttl)
         if len(granted) >= self.quorum and validity > 0:
@@ -876,7 +1020,9 @@ class RedisBackend(BaseLockBackend):
         self._on_each(name, self._release_call(name, owner))
         if len(errors) > len(results) - self.quorum:
             raise errors[0]
-        refusals = [int(r) for r in results if not isinstance(r, (Exception, list)) and int(r) < 0]
+        refusals = [
+            int(r) for r in results if _answer(r) and not isinstance(r, list) and int(r) < 0
+        ]
         waiter = self._waiter(owner)
         if waiter is None:
             waiter = _Waiter(owner, since=sent)
@@ -895,6 +1041,12 @@ class RedisBackend(BaseLockBackend):
             name, lambda node: node.run(node.extend, [k.lock], [owner, ttl_ms])
         )
 
+    def do_adopt(self, name: str, owner: str, new_owner: str, ttl: float, state: Any) -> bool:
+        lock_key, ttl_ms = self._keys(name).lock, _ms(ttl)
+        return self._quorum_bool(
+            name, lambda node: node.run(node.adopt, [lock_key], [owner, new_owner, ttl_ms])
+        )
+
     def do_check(self, name: str, owner: str) -> bool:
         lock_key = self._keys(name).lock
         mine = f"{owner}:".encode()
@@ -904,10 +1056,13 @@ class RedisBackend(BaseLockBackend):
 
     def do_break(self, name: str, token: int | None) -> bool:
         k = self._keys(name)
-        keys = self._lock_keys(k)
+        # The marker is per request: a retry of this break, not a later one.
+        keys = [*self._lock_keys(k), f"{k.done_prefix}break:{secrets.token_hex(8)}"]
         wanted = "" if token is None else str(token)
         compare = "le" if self.redlock else "eq"
-        args = ["", "", name, "", WAITER_LEASE_MS, k.signal_prefix, "", wanted, compare]
+        args = [
+            "", "", name, "", WAITER_LEASE_MS, k.signal_prefix, "", wanted, compare, self._done_ms,
+        ]  # fmt: skip
         if not self.redlock:
             return bool(self._single(name, lambda node: node.run(node.break_, keys, args)))
         if token is not None:
@@ -1042,6 +1197,8 @@ class RedisBackend(BaseLockBackend):
             return
         key, timeout = plan
         for node in self.nodes:
+            if node.stuck():
+                continue  # Redlock: a master that does not answer would hold us up
             try:
                 # On the direct path too: the woken waiter's next step is the
                 # critical path of a hand-over.
@@ -1153,6 +1310,25 @@ class RedisBackend(BaseLockBackend):
             raise self._unavailable(name, e, self.nodes[0]) from e
         self._woken(owner, popped)
         return None
+
+
+_PENDING: Any = object()
+
+
+class _Stuck(RedisError):
+    def __init__(self, label: str) -> None:
+        super().__init__(f"{label} did not answer in time (a call to it is still out)")
+
+
+def _answer(result: Any) -> bool:
+    """A master's reply in _on_each's results: not an error, not still out."""
+    return result is not _PENDING and not isinstance(result, Exception)
+
+
+def _granted(reply: Any) -> bool:
+    """Whether an ACQUIRE reply grants the lock (a token, or {token, pttl})."""
+    first = reply[0] if isinstance(reply, list) else reply
+    return int(first) > 0
 
 
 def _handed_over(queued_at: tuple[float, int], signal: str) -> Grant:
