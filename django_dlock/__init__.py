@@ -15,6 +15,7 @@ from .backends.base import LockInfo, ServerStatus
 from .exceptions import (
     BackendUnavailable,
     DLockError,
+    LockInTransaction,
     LockLost,
     LockNotOwned,
     LockTimeout,
@@ -28,6 +29,7 @@ __all__ = [
     "DLockError",
     "HeldLock",
     "Lock",
+    "LockInTransaction",
     "LockInfo",
     "LockLost",
     "LockNotOwned",

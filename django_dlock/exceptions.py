@@ -13,6 +13,7 @@ them the Django way, each with a stable check id.
     ├── LockLost                    the lease is gone: expired, broken, or renewal failed
     │   └── LockNotOwned            release/extend by a handle whose lease is not current
     ├── BackendUnavailable          the lock service could not be reached
+    ├── LockInTransaction           SQLite: no lock inside your transaction.atomic()
     └── StaleWrite                  a fenced write carried an older fencing token
 
     django.core.exceptions.ImproperlyConfigured
@@ -57,6 +58,19 @@ class LockNotOwned(LockLost):
 
 class BackendUnavailable(DLockError):
     """The lock service could not be reached or answered with an error."""
+
+
+class LockInTransaction(DLockError):
+    """The lock cannot be taken inside the caller's open transaction; nothing was granted.
+
+    The database backend on SQLite, inside ``transaction.atomic()`` on the
+    same database (refused before anything is sent). SQLite has one writer at
+    a time, so the lock's statements would deadlock with the transaction, or
+    join it and be rolled back with it. Take the lock before ``atomic()``.
+    """
+
+    #: The attempt was refused by the service: it took no effect.
+    outcome_known = True
 
 
 class StaleWrite(DLockError):

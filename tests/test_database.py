@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 from django.conf import settings
 from django.db import connections, transaction
 
-from django_dlock import LockTimeout, lock, locks
+from django_dlock import LockInTransaction, LockTimeout, lock, locks
 from tests.models import Counter
 
 ZONE = "America/New_York"
@@ -100,7 +101,7 @@ def test_mariadb_leases_keep_utc_time_across_the_autumn_change(
     live.release()
 
 
-@pytest.mark.backends("db-sqlite", "db-postgresql", "db-mysql")
+@pytest.mark.backends("db-postgresql", "db-mysql", "redis")
 @pytest.mark.with_default_db
 def test_release_on_commit_keeps_a_read_modify_write_whole(backend_alias: str) -> None:
     """``with atomic(): with lock(k): read, add one, write`` from 4 threads, 40 times each.
@@ -108,9 +109,10 @@ def test_release_on_commit_keeps_a_read_modify_write_whole(backend_alias: str) -
     A lock on a connection of its own is released when the block ends, before
     the transaction commits: the next holder reads the old value, and updates
     are lost (93 and 101 of 160 were seen). ``release_on_commit=True`` holds it
-    until the commit.
+    until the commit. ("redis" runs it over the SQLite default database; the
+    database backend on SQLite refuses a lock inside a transaction, below.)
     """
-    db = settings.CONFORMANCE_BACKENDS[backend_alias]
+    db = settings.CONFORMANCE_BACKENDS[backend_alias] or "default"
     counter = Counter.objects.using(db).create(value=0)
     errors: list[BaseException] = []
 
@@ -141,3 +143,99 @@ def test_release_on_commit_keeps_a_read_modify_write_whole(backend_alias: str) -
     assert errors == []
     assert Counter.objects.using(db).get(pk=counter.pk).value == 160
     assert locks[backend_alias].list(f"counter:{counter.pk}") == []
+
+
+# --- SQLite inside a transaction: refused up front -----------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_refuses_a_lock_inside_a_transaction_up_front(name: str) -> None:
+    with transaction.atomic():
+        with pytest.raises(LockInTransaction, match="before entering transaction"):
+            lock(name, backend="db-sqlite", timeout=5).acquire()
+        with pytest.raises(LockInTransaction):
+            locks["db-sqlite"].acquire(name, timeout=0)
+        with pytest.raises(LockInTransaction):
+            with lock(name, backend="db-sqlite", release_on_commit=True):
+                raise AssertionError("the body must not run")
+    assert locks["db-sqlite"].list(name) == []
+    with lock(name, backend="db-sqlite", timeout=0) as held:  # the way to write it
+        with transaction.atomic():
+            Counter.objects.create(value=1)
+        held.ensure()
+
+
+_WRITER = """
+import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], timeout=30, isolation_level=None)
+db.execute("BEGIN IMMEDIATE")  # the write lock, as a lock write of another process takes it
+db.execute("UPDATE django_dlock_lease SET holder = holder WHERE 0")
+print("writing", flush=True)
+db.execute("COMMIT")  # waits for every reader to finish: our caller's transaction too
+print("committed", flush=True)
+"""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_lock_after_a_read_in_a_transaction_does_not_deadlock(name: str) -> None:
+    """Issue 15: ``acquire()`` inside ``atomic()`` after a read deadlocked with another process.
+
+    t0 the caller reads (SQLite's shared lock), t1 another process takes the
+    write lock and, to commit, waits for the caller's shared lock, t2 the
+    caller's lock statement waits for the other's write. The caller got
+    LockTimeout after 8 s on a lock nobody held, and the other process waited
+    as long. Now the caller is refused at once, and the other process
+    commits as soon as the caller's transaction ends.
+    """
+    import subprocess
+    import sys
+
+    path = str(connections["default"].settings_dict["NAME"])
+    writer = None
+    try:
+        with pytest.raises(LockInTransaction, match="before entering transaction"):
+            with transaction.atomic():
+                Counter.objects.count()  # the read: a shared lock until the end
+                writer = subprocess.Popen(
+                    [sys.executable, "-c", _WRITER, path], stdout=subprocess.PIPE, text=True
+                )
+                assert writer.stdout is not None
+                assert writer.stdout.readline().strip() == "writing"
+                lock(name, backend="db-sqlite", timeout=8).acquire()
+        assert writer.stdout.readline().strip() == "committed"
+        assert writer.wait(timeout=30) == 0
+    finally:
+        if writer is not None and writer.poll() is None:
+            writer.kill()
+    assert locks["db-sqlite"].list(name) == []
+    with lock(name, backend="db-sqlite", timeout=0):  # the way to write it
+        with transaction.atomic():
+            Counter.objects.create(value=1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_tokens_never_repeat_after_a_rollback(name: str) -> None:
+    """Issue 15: inside atomic() the fence counter joined the caller's transaction."""
+    backend = locks["db-sqlite"]
+    with backend.acquire(name, timeout=0) as before:
+        pass
+    issued: list[int] = []
+
+    class Rollback(Exception):
+        pass
+
+    with contextlib.suppress(Rollback, LockInTransaction), transaction.atomic():
+        held = backend.acquire(name, timeout=0)
+        issued.append(held.token)
+        raise Rollback
+    with backend.acquire(name, timeout=0) as after:
+        assert after.token > before.token
+        assert after.token not in issued
+
+
+@pytest.mark.django_db  # Django's TestCase transactions, as a test suite uses them
+def test_sqlite_locks_work_inside_a_test_cases_transaction(name: str) -> None:
+    with lock(name, backend="db-sqlite", timeout=0) as held:
+        held.ensure()
+        assert [i.token for i in locks["db-sqlite"].list(name)] == [held.token]
+    assert locks["db-sqlite"].list(name) == []

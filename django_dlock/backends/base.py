@@ -283,6 +283,13 @@ class BaseLockBackend:
         """Release a lease ``do_detach`` handed over, if ``owner`` still holds it."""
         return self.do_release(name, owner)
 
+    def before_acquire(self, name: str) -> None:
+        """Raise if ``name`` cannot be acquired (or adopted) safely now; nothing is sent yet.
+
+        The database backend refuses SQLite inside a transaction here
+        (:class:`~django_dlock.LockInTransaction`). The default allows it.
+        """
+
     def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
         """Sleep an exponentially growing, jittered interval, never past the deadline."""
         delay = backoff(attempt)
@@ -395,7 +402,9 @@ class BaseLockBackend:
                 if result is not None:
                     break
                 refused = True
-        except BaseException:
+        except BaseException as e:
+            # An error that says the attempt took no effect is not unknown.
+            unknown = unknown and not getattr(e, "outcome_known", False)
             for step, needed in (("abandon", refused or unknown), ("release", unknown)):
                 if not needed:
                     continue
@@ -434,6 +443,7 @@ class BaseLockBackend:
         renew: bool,
     ) -> HeldLock:
         """``acquire()`` with arguments already validated (``Lock`` checks them once)."""
+        self.before_acquire(name)
         if ttl is None:
             ttl = self.default_ttl
         owner = new_owner()
@@ -548,6 +558,7 @@ class BaseLockBackend:
         """
         name, owner, token, held_ttl, holder, state = self._take_up(ticket)
         ttl = held_ttl if ttl is None else validate_ttl(ttl)
+        self.before_acquire(name)
         adopter = new_owner()
         sent = time.monotonic()
         if not self.do_adopt(name, owner, adopter, ttl, state):

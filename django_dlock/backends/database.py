@@ -15,14 +15,26 @@ Which connection runs the statements:
   backend's, in autocommit. A lease must be visible to other processes when
   ``acquire()`` returns, not when the caller's transaction commits, and a
   rollback of the caller's work must not undo a release.
-- Inside ``atomic()`` on SQLite: the caller's connection, joining its
-  transaction. SQLite has one writer at a time; a second connection would wait
-  for the caller's own transaction and deadlock. Nobody else can write until
-  the caller commits anyway, so joining keeps mutual exclusion. Until that
-  transaction ends, the lease is bound to the connection: renewals (from the
-  watchdog thread), checks and the release go through it too, since no other
-  connection can see or write the uncommitted row. A rollback undoes the
-  acquisition, and the next renewal then reports the lease lost.
+- Inside a transaction of yours (``atomic()``) on SQLite: acquiring (and
+  adopting) is refused up front with ``LockInTransaction``, before anything
+  is sent. SQLite has one writer at a time, and no way to lock safely there:
+
+  - on a second connection, the lock statement waits for the caller's own
+    transaction: t0 the caller reads (SQLite's shared lock), t1 another
+    process starts a write and waits for that shared lock to go, t2 the
+    caller's lock statement waits for the other's write. Neither moves
+    until a timeout (the caller got LockTimeout after 8 s on a free lock);
+  - joining the caller's transaction, a rollback undoes the acquisition and
+    the next one gets the same fencing token again; and a refused attempt
+    keeps SQLite's write lock until the transaction ends, so the holder
+    cannot even release.
+
+  Take the lock before ``atomic()``, which also keeps it until the commit.
+- Inside the transactions of Django's ``TestCase`` (pytest-django's
+  ``django_db``) and nothing else: the caller's connection, joining the
+  test's transaction, so that locks work in tests on the default database.
+  Until it ends, the lease is bound to that connection: renewals, checks and
+  the release go through it too. The test's rollback undoes its locks.
 
 Waiting backs off exponentially with jitter (2 ms doubling to 100 ms).
 """
@@ -44,7 +56,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseError, IntegrityError, InterfaceError, OperationalError
 
 from .._validation import load_holder, micros_to_datetime
-from ..exceptions import BackendUnavailable, LockConfigurationError
+from ..exceptions import BackendUnavailable, LockConfigurationError, LockInTransaction
 from .base import BaseLockBackend, LockInfo
 
 T = TypeVar("T")
@@ -281,6 +293,25 @@ class DatabaseBackend(BaseLockBackend):
 
     # --- plumbing -------------------------------------------------------------------
 
+    def before_acquire(self, name: str) -> None:
+        connection = connections[self.database]
+        if (
+            connection.vendor == "sqlite"
+            and connection.in_atomic_block
+            and not all(getattr(a, "_from_testcase", False) for a in connection.atomic_blocks)
+        ):
+            raise LockInTransaction(
+                f"Lock {name!r} on backend {self.alias!r}: the database backend cannot take a "
+                f"lock inside transaction.atomic() on SQLite database {self.database!r}: with "
+                "one writer at a time it would deadlock with your transaction, or be rolled "
+                "back with it. Take the lock before entering transaction.atomic(): `with "
+                "lock(...): with transaction.atomic(): ...` (it is then held until the "
+                "commit); or keep the locks in a database of their own "
+                "(OPTIONS={'database': ...}); or use PostgreSQL or MariaDB.",
+                name=name,
+                backend=self.alias,
+            )
+
     def _key(self, name: str) -> str:
         return hashlib.sha256(f"{self.key_prefix}\0{name}".encode()).hexdigest()
 
@@ -425,7 +456,18 @@ class DatabaseBackend(BaseLockBackend):
 
         try:
             return self._run(name, run)
-        except _Busy:
+        except _Busy as e:
+            connection = self._connection()
+            if connection.vendor == "sqlite" and connection.in_atomic_block:
+                raise LockInTransaction(
+                    f"Lock {name!r} on backend {self.alias!r}: SQLite database "
+                    f"{self.database!r} is locked by another writer, which may be waiting "
+                    "for this (test's) transaction to end; waiting for it inside the "
+                    "transaction would deadlock. Take the lock before entering "
+                    "transaction.atomic(): `with lock(...): with transaction.atomic(): ...`.",
+                    name=name,
+                    backend=self.alias,
+                ) from e.__cause__
             return None
 
     def _rowcount(
