@@ -271,8 +271,11 @@ class LockedTask(Task):  # type: ignore[misc]
             backend = locks[ticket["backend"]]
             return backend.adopt(ticket, ttl=self.lock_options.ttl or backend.default_ttl)
         except LockLost:
+            # It ran out or was broken before the task started, or another
+            # delivery of this message adopted it (a redelivery): on_locked decides.
             logger.info(
-                "The queue lease of %s on %r ran out before the task started; taking it again.",
+                "The queue lease of %s on %r ran out, was broken or was adopted by another "
+                "delivery of this message; acquiring it as on_locked says.",
                 self.name,
                 ticket.get("name"),
             )
