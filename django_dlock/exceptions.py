@@ -10,10 +10,10 @@ them the Django way, each with a stable check id.
 
     DLockError                      runtime; carries .name and .backend (alias)
     ├── LockTimeout                 not acquired within ``timeout``
+    │   └── LockInTransaction       SQLite: a lock inside your atomic() cannot wait
     ├── LockLost                    the lease is gone: expired, broken, or renewal failed
     │   └── LockNotOwned            release/extend by a handle whose lease is not current
     ├── BackendUnavailable          the lock service could not be reached
-    ├── LockInTransaction           SQLite: no lock inside your transaction.atomic()
     └── StaleWrite                  a fenced write carried an older fencing token
 
     django.core.exceptions.ImproperlyConfigured
@@ -60,13 +60,16 @@ class BackendUnavailable(DLockError):
     """The lock service could not be reached or answered with an error."""
 
 
-class LockInTransaction(DLockError):
-    """The lock cannot be taken inside the caller's open transaction; nothing was granted.
+class LockInTransaction(LockTimeout):
+    """Not acquired: a lock taken inside the caller's transaction cannot wait.
 
     The database backend on SQLite, inside ``transaction.atomic()`` on the
-    same database (refused before anything is sent). SQLite has one writer at
-    a time, so the lock's statements would deadlock with the transaction, or
-    join it and be rolled back with it. Take the lock before ``atomic()``.
+    same database, when the lock is held or another writer has the database.
+    SQLite has one writer at a time: the attempt has taken the write lock for
+    the caller's transaction (the holder could not release while we waited),
+    or the other writer may be waiting for the caller's transaction to end (a
+    deadlock). Raised at once, whatever the timeout, as a ``LockTimeout``.
+    Take the lock before ``atomic()`` to wait for it.
     """
 
     #: The attempt was refused by the service: it took no effect.

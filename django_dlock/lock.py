@@ -519,24 +519,56 @@ class _ReleaseAtCommit:
 
     Django drops the callbacks of a transaction, or of a savepoint, that rolls
     back; CPython frees the dropped callback at once (reference counting),
-    and its finalizer releases the lock then.
+    and its finalizer releases the lock then. That happens inside Django's
+    rollback, before the connection is back in autocommit, so for a backend
+    whose statements run on Django's connections (the database backend) the
+    finalizer hands the release to the backend's renewal thread, which uses
+    a connection of its own.
     """
 
     def __init__(self, held: HeldLock) -> None:
         self.held = held
-        self._finalizer = weakref.finalize(self, held._release_quietly)
+        self._finalizer = weakref.finalize(self, _release_elsewhere, held)
+        self._finalizer.atexit = False
 
     def __call__(self) -> None:
-        self._finalizer()
+        self._finalizer.detach()
+        self.held._release_quietly()
 
 
-def release_at_transaction_end(held: HeldLock, using: str | None = None) -> bool:
-    """Release ``held`` when the transaction of ``using`` ends; False if none is open."""
+def _release_elsewhere(held: HeldLock) -> None:
+    if held.backend.uses_django_connections:
+        get_watchdog().renewer(held.alias).submit(held._release_quietly)
+    else:
+        held._release_quietly()
+
+
+def release_at_transaction_end(
+    held: HeldLock, using: str | None = None, *, body_raised: bool = True
+) -> bool:
+    """Release ``held`` when the transaction of ``using`` ends; False if none is open.
+
+    Unless ``body_raised``, the lease is confirmed first, as a release would:
+    ``LockLost`` if it was lost inside the block, so that the transaction,
+    whose work was not protected to the end, can roll back.
+    """
     from django.db import DEFAULT_DB_ALIAS, transaction
 
     db = using or DEFAULT_DB_ALIAS
-    if not transaction.get_connection(db).in_atomic_block:
+    connection = transaction.get_connection(db)
+    if not connection.in_atomic_block or all(
+        # Django's TestCase wraps each test in transactions that never commit:
+        # code with no atomic() of its own releases at once, as in production.
+        getattr(block, "_from_testcase", False)
+        for block in connection.atomic_blocks
+    ):
         return False
+    if not body_raised:
+        try:
+            held.ensure()
+        except LockLost:
+            held._release_quietly()
+            raise
     transaction.on_commit(_ReleaseAtCommit(held), using=db)
     return True
 
@@ -692,7 +724,7 @@ class Lock:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         held = self._pop()
-        if not self._release_at_commit(held):
+        if not self._release_at_commit(held, exc_type is not None):
             _release_on_exit(held, exc_type is not None)
 
     async def __aenter__(self) -> HeldLock:
@@ -727,7 +759,7 @@ class Lock:
             try:
                 result = func(*args, **kwargs)
             except BaseException:
-                if not self._release_at_commit(held):
+                if not self._release_at_commit(held, True):
                     _release_on_exit(held, True)
                 raise
             if not self._release_at_commit(held):
@@ -738,11 +770,11 @@ class Lock:
 
     # --- internals -------------------------------------------------------------------
 
-    def _release_at_commit(self, held: HeldLock) -> bool:
+    def _release_at_commit(self, held: HeldLock, body_raised: bool = False) -> bool:
         """With ``release_on_commit`` inside ``atomic()``: leave the release to its end."""
         if not self.release_on_commit:
             return False
-        return release_at_transaction_end(held, self.using)
+        return release_at_transaction_end(held, self.using, body_raised=body_raised)
 
     def _acquire(self, timeout: float | None, name: str | None) -> HeldLock:
         # Everything but a templated key was validated when the Lock was made.

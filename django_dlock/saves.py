@@ -95,7 +95,7 @@ def _under_lock(
     except BaseException:
         held._release_quietly()
         raise
-    if not (release_on_commit and release_at_transaction_end(held, db)):
+    if not (release_on_commit and release_at_transaction_end(held, db, body_raised=False)):
         held.release()
     return result
 

@@ -208,13 +208,26 @@ class Renewer:
                 with self._mutex:
                     if self._queue.empty():
                         self._thread = None
+                        _close_thread_connections()
                         return
                 continue
             try:
                 work()
-            except Exception:
+            except BaseException:
+                # Even SystemExit from a signal receiver: this thread serves
+                # every lease of the alias and must not end with work queued.
                 logger.exception("A renewal on %r failed", self.alias)
             del work
+
+
+def _close_thread_connections() -> None:
+    """Close the Django database connections this thread opened (the database backend's)."""
+    try:
+        from django.db import connections
+    except ImportError:  # pragma: no cover - Django is a dependency
+        return
+    for connection in connections.all(initialized_only=True):
+        connection.close()
 
 
 class _Timer:

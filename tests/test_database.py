@@ -109,8 +109,9 @@ def test_release_on_commit_keeps_a_read_modify_write_whole(backend_alias: str) -
     A lock on a connection of its own is released when the block ends, before
     the transaction commits: the next holder reads the old value, and updates
     are lost (93 and 101 of 160 were seen). ``release_on_commit=True`` holds it
-    until the commit. ("redis" runs it over the SQLite default database; the
-    database backend on SQLite refuses a lock inside a transaction, below.)
+    until the commit. ("redis" runs it over the SQLite default database. The
+    database backend on SQLite cannot wait inside a transaction at all: see
+    below.)
     """
     db = settings.CONFORMANCE_BACKENDS[backend_alias] or "default"
     counter = Counter.objects.using(db).create(value=0)
@@ -145,24 +146,39 @@ def test_release_on_commit_keeps_a_read_modify_write_whole(backend_alias: str) -
     assert locks[backend_alias].list(f"counter:{counter.pk}") == []
 
 
-# --- SQLite inside a transaction: refused up front -----------------------------------------
+# --- SQLite inside a transaction: joined, never waiting -----------------------------------
 
 
 @pytest.mark.django_db(transaction=True)
-def test_sqlite_refuses_a_lock_inside_a_transaction_up_front(name: str) -> None:
+def test_sqlite_lock_inside_a_transaction_joins_it_and_never_waits(name: str) -> None:
+    """Uncontended it works (and release_on_commit holds it to the commit); held, it fails fast.
+
+    A refused attempt takes SQLite's write lock for the caller's transaction,
+    so the holder could not release while the caller waited: it raises
+    LockInTransaction (a LockTimeout) at once, whatever the timeout.
+    """
+    backend = locks["db-sqlite"]
     with transaction.atomic():
-        with pytest.raises(LockInTransaction, match="before entering transaction"):
-            lock(name, backend="db-sqlite", timeout=5).acquire()
-        with pytest.raises(LockInTransaction):
-            locks["db-sqlite"].acquire(name, timeout=0)
-        with pytest.raises(LockInTransaction):
-            with lock(name, backend="db-sqlite", release_on_commit=True):
-                raise AssertionError("the body must not run")
-    assert locks["db-sqlite"].list(name) == []
-    with lock(name, backend="db-sqlite", timeout=0) as held:  # the way to write it
-        with transaction.atomic():
+        with lock(name, backend="db-sqlite", release_on_commit=True) as held:
             Counter.objects.create(value=1)
-        held.ensure()
+        assert not held.released  # the release waits for the commit
+    assert held.released
+    assert backend.list(name) == []
+    holder = backend.acquire(name, ttl=30)
+    try:
+        with transaction.atomic():
+            with pytest.raises(LockInTransaction, match="before entering the transaction"):
+                lock(name, backend="db-sqlite", timeout=20).acquire()
+        with pytest.raises(LockTimeout):  # what callers catch, 423 in views, skip in Celery
+            with transaction.atomic():
+                backend.acquire(name, timeout=0)
+        holder.ensure()  # renewed and released through its own connection as usual
+    finally:
+        holder.release()
+    with lock(name, backend="db-sqlite", timeout=0) as again:  # the way to wait: outside
+        with transaction.atomic():
+            Counter.objects.create(value=2)
+        assert again.token > holder.token
 
 
 _WRITER = """
@@ -184,8 +200,8 @@ def test_sqlite_lock_after_a_read_in_a_transaction_does_not_deadlock(name: str) 
     write lock and, to commit, waits for the caller's shared lock, t2 the
     caller's lock statement waits for the other's write. The caller got
     LockTimeout after 8 s on a lock nobody held, and the other process waited
-    as long. Now the caller is refused at once, and the other process
-    commits as soon as the caller's transaction ends.
+    as long. Now the caller is told at once, and the other process commits
+    as soon as the caller's transaction ends.
     """
     import subprocess
     import sys
@@ -193,7 +209,7 @@ def test_sqlite_lock_after_a_read_in_a_transaction_does_not_deadlock(name: str) 
     path = str(connections["default"].settings_dict["NAME"])
     writer = None
     try:
-        with pytest.raises(LockInTransaction, match="before entering transaction"):
+        with pytest.raises(LockInTransaction, match="before entering the transaction"):
             with transaction.atomic():
                 Counter.objects.count()  # the read: a shared lock until the end
                 writer = subprocess.Popen(
@@ -239,3 +255,51 @@ def test_sqlite_locks_work_inside_a_test_cases_transaction(name: str) -> None:
         held.ensure()
         assert [i.token for i in locks["db-sqlite"].list(name)] == [held.token]
     assert locks["db-sqlite"].list(name) == []
+
+
+@pytest.mark.backends("db-postgresql", "db-mysql")
+@pytest.mark.with_default_db
+def test_release_on_commit_after_a_rollback_leaves_the_connection_usable(
+    backend_alias: str, name: str
+) -> None:
+    """Review of issue 15: the release ran inside Django's rollback, on the caller's connection.
+
+    On PostgreSQL the release then opened a transaction that was never
+    committed, and leaving atomic() raised ProgrammingError instead of the
+    body's error.
+    """
+    db = settings.CONFORMANCE_BACKENDS[backend_alias]
+    with pytest.raises(RuntimeError, match="roll back"):
+        with transaction.atomic(using=db):
+            with lock(name, backend=backend_alias, release_on_commit=True, using=db):
+                Counter.objects.using(db).create(value=1)
+            raise RuntimeError("roll back")
+    assert connections[db].get_autocommit()
+    assert not connections[db].in_atomic_block
+    # Released on the backend's renewal thread, just after the rollback.
+    with lock(name, backend=backend_alias, timeout=10) as again:
+        again.ensure()
+    assert not Counter.objects.using(db).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_release_on_commit_reports_a_lease_lost_inside_the_block(name: str) -> None:
+    """Review of issue 15: leaving the block deferred the release and so never noticed."""
+    from django_dlock import LockLost
+
+    with pytest.raises(LockLost), transaction.atomic():
+        with lock(name, backend="locmem", release_on_commit=True):
+            Counter.objects.create(value=1)
+            locks["locmem"].break_lock(name)
+    assert not Counter.objects.exists()  # the transaction rolled back
+
+
+@pytest.mark.django_db  # inside Django TestCase's transactions, which never commit
+def test_release_on_commit_in_a_test_case_releases_at_once(name: str) -> None:
+    """Review of issue 15: the test's own transaction held the lock until the test ended."""
+
+    def work() -> int:
+        with lock(name, backend="locmem", release_on_commit=True, timeout=0) as held:
+            return held.token
+
+    assert work() < work()  # the second call finds the lock free

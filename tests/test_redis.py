@@ -732,3 +732,34 @@ def test_redlock_rides_out_a_master_that_never_answers(name: str) -> None:
         hole.close()
         for master in masters:
             master.cleanup()
+
+
+@pytest.mark.multiprocess
+def test_redlock_works_in_a_forked_child(redis_servers: dict[str, Any], name: str) -> None:
+    """Review of issue 15: a child forked after the parent used Redlock inherited its pools.
+
+    Their threads do not survive fork(), so the child's calls queued for ever
+    and every master looked stuck (BackendUnavailable after 5 s). Celery's
+    prefork pool and gunicorn --preload fork exactly so.
+    """
+    with lock(f"{name}:parent", backend="redlock", timeout=5):
+        pass
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        outcome = b"?"
+        try:
+            with lock(f"{name}:child", backend="redlock", timeout=5) as held:
+                held.ensure()
+                outcome = b"ok"
+        except BaseException as e:
+            outcome = repr(e).encode()[:500]
+        finally:
+            os.write(write_end, outcome)
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as pipe:
+        assert pipe.read() == b"ok"
+    with lock(f"{name}:parent", backend="redlock", timeout=5):  # and the parent still works
+        pass

@@ -220,3 +220,28 @@ def test_a_blocked_backend_delays_no_other_backends_renewals(
         blocker.wait(timeout=30)
         lock_lost.disconnect(dispatch_uid="blocked-backend")
     redis_held.release()
+
+
+@pytest.mark.backends("locmem")
+def test_a_receiver_that_raises_systemexit_does_not_end_renewals(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    """Review of issue 15: SystemExit from a lock_lost receiver ended the renewal thread."""
+
+    def exits(sender: Any, **kwargs: Any) -> None:
+        raise SystemExit(3)
+
+    lock_lost.connect(exits, dispatch_uid="exits")
+    try:
+        first = lock(f"{name}:1", backend=backend_alias, ttl=0.3).acquire()
+        backend.break_lock(f"{name}:1")
+        deadline = time.monotonic() + 5
+        while not first.lost:  # found by the renewal thread, whose receiver exits
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        lock_lost.disconnect(dispatch_uid="exits")
+    second = lock(f"{name}:2", backend=backend_alias, ttl=0.3).acquire()
+    time.sleep(1.0)  # three TTLs: renewed only if the renewal thread still runs
+    second.ensure()
+    second.release()

@@ -183,6 +183,9 @@ class BaseLockBackend:
     #: keeps them all alive (etcd's session lease)? Then a forgotten handle's
     #: lease is released by the watchdog when it would have run out.
     supports_shared_leases: ClassVar[bool] = False
+    #: Do its statements run on Django's database connections (which a
+    #: rollback is still resetting when the callbacks it drops are freed)?
+    uses_django_connections: ClassVar[bool] = False
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
     allowed_options: ClassVar[frozenset[str]] = frozenset()
 
@@ -282,13 +285,6 @@ class BaseLockBackend:
     def do_release_ticket(self, name: str, owner: str, state: Any) -> bool:
         """Release a lease ``do_detach`` handed over, if ``owner`` still holds it."""
         return self.do_release(name, owner)
-
-    def before_acquire(self, name: str) -> None:
-        """Raise if ``name`` cannot be acquired (or adopted) safely now; nothing is sent yet.
-
-        The database backend refuses SQLite inside a transaction here
-        (:class:`~django_dlock.LockInTransaction`). The default allows it.
-        """
 
     def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
         """Sleep an exponentially growing, jittered interval, never past the deadline."""
@@ -443,7 +439,6 @@ class BaseLockBackend:
         renew: bool,
     ) -> HeldLock:
         """``acquire()`` with arguments already validated (``Lock`` checks them once)."""
-        self.before_acquire(name)
         if ttl is None:
             ttl = self.default_ttl
         owner = new_owner()
@@ -514,8 +509,8 @@ class BaseLockBackend:
             except asyncio.CancelledError:
                 # The thread goes on, and may be granted the lock after the
                 # caller stopped waiting: whoever comes second releases it.
-                if handoff.abandon():
-                    acquiring.add_done_callback(_release_unwanted)
+                release = handoff.abandon()
+                acquiring.add_done_callback(_release_unwanted if release else _retrieve_outcome)
                 raise
         if ttl is None:
             ttl = self.default_ttl
@@ -534,6 +529,10 @@ class BaseLockBackend:
             kind, args, kwargs = step
             try:
                 result = await primitives[kind](*args, **kwargs)
+                if kind in ("acquire", "wait") and _cancelling():
+                    # redis-py's asyncio BLPOP can swallow a cancellation
+                    # (redis/redis-py#2028): honour it here.
+                    raise asyncio.CancelledError
             except BaseException as e:
                 done, step = _advance(steps, error=e)
             else:
@@ -558,7 +557,6 @@ class BaseLockBackend:
         """
         name, owner, token, held_ttl, holder, state = self._take_up(ticket)
         ttl = held_ttl if ttl is None else validate_ttl(ttl)
-        self.before_acquire(name)
         adopter = new_owner()
         sent = time.monotonic()
         if not self.do_adopt(name, owner, adopter, ttl, state):
@@ -677,6 +675,19 @@ class _Handoff:
         with self._mutex:
             self._abandoned = True
             return self._delivered
+
+
+def _cancelling() -> bool:
+    """Whether the current task has a cancellation pending (Python 3.11+; else False)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False
+
+
+def _retrieve_outcome(acquiring: asyncio.Future[HeldLock]) -> None:
+    """Take the thread's exception, if any, so asyncio does not report it as unseen."""
+    if not acquiring.cancelled():
+        acquiring.exception()
 
 
 def _release_unwanted(acquiring: asyncio.Future[HeldLock]) -> None:

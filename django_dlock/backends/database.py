@@ -15,26 +15,26 @@ Which connection runs the statements:
   backend's, in autocommit. A lease must be visible to other processes when
   ``acquire()`` returns, not when the caller's transaction commits, and a
   rollback of the caller's work must not undo a release.
-- Inside a transaction of yours (``atomic()``) on SQLite: acquiring (and
-  adopting) is refused up front with ``LockInTransaction``, before anything
-  is sent. SQLite has one writer at a time, and no way to lock safely there:
+- Inside ``atomic()`` on SQLite: the caller's connection, joining its
+  transaction. SQLite has one writer at a time, and a second connection
+  would wait for the caller's own transaction. Until that transaction ends,
+  the lease is bound to the connection: renewals, checks and the release go
+  through it too, since no other connection can see or write the
+  uncommitted row. A rollback undoes the acquisition, and the next renewal
+  then reports the lease lost. Three rules keep this safe:
 
-  - on a second connection, the lock statement waits for the caller's own
-    transaction: t0 the caller reads (SQLite's shared lock), t1 another
-    process starts a write and waits for that shared lock to go, t2 the
-    caller's lock statement waits for the other's write. Neither moves
-    until a timeout (the caller got LockTimeout after 8 s on a free lock);
-  - joining the caller's transaction, a rollback undoes the acquisition and
-    the next one gets the same fencing token again; and a refused attempt
-    keeps SQLite's write lock until the transaction ends, so the holder
-    cannot even release.
-
-  Take the lock before ``atomic()``, which also keeps it until the commit.
-- Inside the transactions of Django's ``TestCase`` (pytest-django's
-  ``django_db``) and nothing else: the caller's connection, joining the
-  test's transaction, so that locks work in tests on the default database.
-  Until it ends, the lease is bound to that connection: renewals, checks and
-  the release go through it too. The test's rollback undoes its locks.
+  - Tokens are ``max(fence + 1, wall clock in us)`` on SQLite (as on Redis),
+    so the acquisition after a rolled-back one gets a larger token than the
+    one rolled back, not the same one again.
+  - Such an acquisition never waits. A refused attempt has taken SQLite's
+    write lock for the caller's transaction, so the holder could not even
+    release while we waited; and t0 the caller reads (a shared lock), t1
+    another process starts a write and waits for that shared lock to go, t2
+    the caller's lock statement waits for the other's write: a deadlock.
+    Both raise ``LockInTransaction`` (a ``LockTimeout``) at once, whatever
+    the timeout; take the lock before ``atomic()`` to wait for it.
+  - Uncontended, it just works: a lock in ``ATOMIC_REQUESTS`` views, in the
+    admin's save of a ``LockedSaveMixin`` model, in Django's ``TestCase``.
 
 Waiting backs off exponentially with jitter (2 ms doubling to 100 ms).
 """
@@ -151,17 +151,22 @@ def _statements(vendor: str, table: str) -> _Statements:
         )
     else:
         # One statement: create the row for a new name (the token seeded from
-        # the server clock), or take over a free or expired row (token + 1). If
+        # the server clock), or take over a free or expired row (token + 1;
+        # on SQLite max(token + 1, the clock in us)). If
         # a live lease holds the row the DO UPDATE's WHERE fails and no row
         # comes back. Under concurrency PostgreSQL re-checks the WHERE against
         # the row version that won, and SQLite runs one writer at a time.
         #
         # params: digest, namespace, name, owner, ttl (us), holder JSON
         # returns: one row (the new fencing token) or none.
+        seed, next_token = now, f"{table}.fence + 1"
+        if vendor == "sqlite":
+            # See the module docstring: a rolled-back token is not issued again.
+            seed, next_token = "dlock_now_us()", f"MAX({table}.fence + 1, dlock_now_us())"
         acquire = (
             f"INSERT INTO {table} ({columns})"
-            f" VALUES (%s, %s, %s, {now}, %s, {now}, {now} + %s, %s)"
-            f" ON CONFLICT (digest) DO UPDATE SET fence = {table}.fence + 1,"
+            f" VALUES (%s, %s, %s, {seed}, %s, {now}, {now} + %s, %s)"
+            f" ON CONFLICT (digest) DO UPDATE SET fence = {next_token},"
             " owner = excluded.owner, acquired_at_us = excluded.acquired_at_us,"
             " expires_at_us = excluded.expires_at_us, holder = excluded.holder"
             f" WHERE {table}.owner IS NULL OR {table}.expires_at_us <= excluded.acquired_at_us"
@@ -233,6 +238,7 @@ class DatabaseBackend(BaseLockBackend):
     """
 
     allowed_options = frozenset({"database"})
+    uses_django_connections = True
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         super().__init__(alias, params)
@@ -293,25 +299,6 @@ class DatabaseBackend(BaseLockBackend):
 
     # --- plumbing -------------------------------------------------------------------
 
-    def before_acquire(self, name: str) -> None:
-        connection = connections[self.database]
-        if (
-            connection.vendor == "sqlite"
-            and connection.in_atomic_block
-            and not all(getattr(a, "_from_testcase", False) for a in connection.atomic_blocks)
-        ):
-            raise LockInTransaction(
-                f"Lock {name!r} on backend {self.alias!r}: the database backend cannot take a "
-                f"lock inside transaction.atomic() on SQLite database {self.database!r}: with "
-                "one writer at a time it would deadlock with your transaction, or be rolled "
-                "back with it. Take the lock before entering transaction.atomic(): `with "
-                "lock(...): with transaction.atomic(): ...` (it is then held until the "
-                "commit); or keep the locks in a database of their own "
-                "(OPTIONS={'database': ...}); or use PostgreSQL or MariaDB.",
-                name=name,
-                backend=self.alias,
-            )
-
     def _key(self, name: str) -> str:
         return hashlib.sha256(f"{self.key_prefix}\0{name}".encode()).hexdigest()
 
@@ -364,6 +351,8 @@ class DatabaseBackend(BaseLockBackend):
     ) -> T:
         connection = self._connection(owner)
         statements = self._sql(connection)
+        if connection.vendor == "sqlite":
+            _add_clock(connection)
         try:
             with connection.cursor() as cursor:
                 return fn(connection, statements, cursor)
@@ -438,9 +427,16 @@ class DatabaseBackend(BaseLockBackend):
             if sql.acquire_insert is None:
                 cursor.execute(sql.acquire, [digest, self.key_prefix, name, owner, ttl_us, holder])
                 row = cursor.fetchone()
+                joined = connection.vendor == "sqlite" and connection.in_atomic_block
                 if row is None:
+                    if joined:
+                        raise self._in_transaction(
+                            name,
+                            "is held by someone else, and this transaction now holds SQLite's "
+                            "write lock, so the holder could not release it while we waited",
+                        )
                     return None
-                if connection.vendor == "sqlite" and connection.in_atomic_block:
+                if joined:
                     self._bind(owner, connection)
                 return int(row[0])
             cursor.execute(sql.acquire, [owner, ttl_us, holder, digest])
@@ -459,16 +455,21 @@ class DatabaseBackend(BaseLockBackend):
         except _Busy as e:
             connection = self._connection()
             if connection.vendor == "sqlite" and connection.in_atomic_block:
-                raise LockInTransaction(
-                    f"Lock {name!r} on backend {self.alias!r}: SQLite database "
-                    f"{self.database!r} is locked by another writer, which may be waiting "
-                    "for this (test's) transaction to end; waiting for it inside the "
-                    "transaction would deadlock. Take the lock before entering "
-                    "transaction.atomic(): `with lock(...): with transaction.atomic(): ...`.",
-                    name=name,
-                    backend=self.alias,
+                raise self._in_transaction(
+                    name,
+                    "cannot be written: another writer has the database, and it may be "
+                    "waiting for this transaction to end (waiting for it would deadlock)",
                 ) from e.__cause__
             return None
+
+    def _in_transaction(self, name: str, what: str) -> LockInTransaction:
+        return LockInTransaction(
+            f"Lock {name!r} on backend {self.alias!r} {what}. On SQLite a lock taken inside "
+            "transaction.atomic() cannot wait. Take it before entering the transaction: "
+            "`with lock(...): with transaction.atomic(): ...`.",
+            name=name,
+            backend=self.alias,
+        )
 
     def _rowcount(
         self, name: str, statement: str, params: list[Any], owner: str | None = None
@@ -530,6 +531,25 @@ class DatabaseBackend(BaseLockBackend):
             )
             for name, fence, holder, acquired_us, expires_us, now_us in rows
         ]
+
+
+def _wall_us() -> int:
+    return time.time_ns() // 1000
+
+
+def _add_clock(connection: BaseDatabaseWrapper) -> None:
+    """Give an SQLite connection ``dlock_now_us()``: the wall clock in microseconds.
+
+    SQLite's own ``'now'`` steps in milliseconds; tokens need finer steps
+    (several acquisitions fit in one). It is the same clock, the machine's,
+    which every process using the file shares.
+    """
+    if connection.connection is None:
+        connection.ensure_connection()
+    raw = connection.connection
+    if getattr(connection, "_dlock_clock", None) is not raw:
+        raw.create_function("dlock_now_us", 0, _wall_us)
+        connection._dlock_clock = raw  # type: ignore[attr-defined]
 
 
 class _Busy(Exception):

@@ -713,6 +713,7 @@ class RedisBackend(BaseLockBackend):
         self.native_async = not (self.redlock or self.cluster or self.connection_spec)
         self._aclients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._tags = [f"{{{self.key_prefix}dlock:{s}}}" for s in range(shards)]
+        _backends.add(self)
         # Building eight key strings per call shows in the uncontended cycle.
         self._keys = functools.lru_cache(maxsize=4096)(self._make_keys)
 
@@ -1313,6 +1314,19 @@ class RedisBackend(BaseLockBackend):
 
 
 _PENDING: Any = object()
+
+_backends: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    # A forked child has none of the parent's threads: Redlock's pools would
+    # queue calls nobody runs, and their counters would say a master is stuck.
+    # Its nodes (and their connections) are made anew on first use.
+    for backend in list(_backends):
+        backend._nodes = None
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 class _Stuck(RedisError):

@@ -14,7 +14,7 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.test import TestCase
 
-from django_dlock import LockInTransaction, LockLost, LockTimeout, lock, locks
+from django_dlock import LockLost, LockTimeout, lock, locks
 from django_dlock.backends.database import DatabaseBackend
 from django_dlock.signals import lock_lost
 
@@ -96,23 +96,22 @@ def test_threads_with_transactional_db() -> None:
 
 
 class LockInTestCase(TestCase):
-    def test_lock_around_an_atomic_block(self) -> None:
-        with lock("around-atomic", ttl=0.5) as held:
-            with transaction.atomic():
-                User.objects.create(username="inside-atomic")
-            time.sleep(1.2)  # renewed by the watchdog through the test's transaction
-            held.ensure()
-        self.assertEqual(locks["default"].list("around-atomic"), [])
-
-    def test_a_lock_inside_an_atomic_block_is_refused_with_advice(self) -> None:
-        """On SQLite a lock inside your own transaction would deadlock or be rolled back."""
+    def test_atomic_block_and_lock(self) -> None:
         with transaction.atomic():
             User.objects.create(username="inside-atomic")
-            with self.assertRaisesMessage(LockInTransaction, "Take the lock before entering"):
-                lock("in-atomic", ttl=30).acquire()
+            with lock("in-atomic", ttl=0.5) as held:
+                time.sleep(1.2)
+                held.ensure()
         self.assertEqual(locks["default"].list("in-atomic"), [])
-        with lock("in-atomic", timeout=0) as held:
-            self.assertGreater(held.token, 0)
+
+    def test_rolled_back_acquisition_is_lost(self) -> None:
+        with self.assertRaises(RuntimeError), transaction.atomic():
+            held = lock("rolled-back", ttl=30).acquire()
+            raise RuntimeError("roll the savepoint back")
+        with self.assertRaises(LockLost):
+            held.ensure()
+        with lock("rolled-back", timeout=0) as successor:
+            self.assertGreater(successor.token, 0)
 
 
 @pytest.mark.django_db(transaction=True)
