@@ -16,6 +16,8 @@ command -v redis-cli >/dev/null || need_apt+=(redis-tools)
 # The etcd tests start their own etcd members and drive `etcdctl lock` (etcd 3.4).
 command -v etcd >/dev/null || need_apt+=(etcd-server)
 command -v etcdctl >/dev/null || need_apt+=(etcd-client)
+# The chaos run (make chaos) partitions the network inside namespaces it makes, with iptables.
+command -v iptables >/dev/null || need_apt+=(iptables)
 # The admin's browser test (tests/test_admin_browser.py) runs /usr/bin/chromium headless.
 [[ -x /usr/bin/chromium ]] || need_apt+=(chromium)
 

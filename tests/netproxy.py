@@ -1,4 +1,4 @@
-"""A TCP proxy on loopback that the tests control: held replies and added latency.
+"""A TCP proxy that the tests (and the chaos run) control: held replies and added latency.
 
 This kernel has no ``netem`` qdisc, so faults between a client and its server
 are made here. Each client connection gets its own upstream connection; bytes
@@ -22,12 +22,16 @@ import time
 
 
 class Proxy:
-    def __init__(self, target_port: int, *, latency: float = 0.0) -> None:
+    def __init__(
+        self, target_port: int, *, latency: float = 0.0, listen: str = "127.0.0.1"
+    ) -> None:
         self.target = ("127.0.0.1", target_port)
         self.latency = latency
         self._hold_until = 0.0
         self._closed = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        # ``listen``: the chaos run (chaos/) serves workers in a network
+        # namespace on the host's end of a veth pair.
+        self._listener = socket.create_server((listen, 0))
         self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]
         self._sockets: list[socket.socket] = []
