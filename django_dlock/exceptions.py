@@ -13,7 +13,7 @@ them the Django way, each with a stable check id.
     │   └── LockInTransaction       SQLite: a lock inside your atomic() cannot wait
     ├── LockLost                    the lease is gone: expired, broken, or renewal failed
     │   └── LockNotOwned            release/extend by a handle whose lease is not current
-    ├── BackendUnavailable          the lock service could not be reached
+    ├── BackendUnavailable          the lock service could not be reached; .transient
     └── StaleWrite                  a fenced write carried an older fencing token
 
     django.core.exceptions.ImproperlyConfigured
@@ -21,6 +21,12 @@ them the Django way, each with a stable check id.
         ├── InvalidBackendError     BACKEND missing or not importable      django_dlock.E003
         ├── InvalidLockOption       unknown settings or OPTIONS key         django_dlock.E004
         └── InvalidTTL              TTL is not a positive number            django_dlock.E005
+
+``acquire()`` rides out a ``BackendUnavailable`` whose ``transient`` is True (a
+server restarting, a connection lost): it retries with backoff until its
+timeout, and raises the last one only then. ``transient`` is False for what no
+retry fixes (authentication or permission refused, the lock table missing):
+that is raised at once. ``timeout=0`` does not retry at all.
 """
 
 from __future__ import annotations
@@ -57,7 +63,23 @@ class LockNotOwned(LockLost):
 
 
 class BackendUnavailable(DLockError):
-    """The lock service could not be reached or answered with an error."""
+    """The lock service could not be reached or answered with an error.
+
+    ``transient`` says whether trying again later may succeed: False when the
+    service refused who we are or what we may do (a wrong password, a missing
+    permission, no lock table), which only a change of settings fixes.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str | None = None,
+        backend: str | None = None,
+        transient: bool = True,
+    ) -> None:
+        super().__init__(message, name=name, backend=backend)
+        self.transient = transient
 
 
 class LockInTransaction(LockTimeout):

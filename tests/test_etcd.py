@@ -482,6 +482,12 @@ def test_user_and_password(
     wrong = make_backend(server.endpoint, user="app", password="no")
     with pytest.raises(BackendUnavailable, match="auth"):
         wrong.acquire(name, timeout=0)
+    # No retry fixes a wrong password: raised at once whatever the timeout (issue 16).
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable, match="auth") as excinfo:
+        wrong.acquire(name, timeout=15)
+    assert time.monotonic() - started < 5, "a wrong password was retried"
+    assert excinfo.value.transient is False
 
 
 # --- a cluster losing members -------------------------------------------------------
@@ -595,3 +601,48 @@ def test_a_forgotten_handle_ends_while_other_locks_are_renewed(
         again.ensure()
     keeper.ensure()
     keeper.release()
+
+
+# --- riding out an outage (issue 16) ------------------------------------------------------
+
+
+def test_acquire_rides_out_an_etcd_restart(
+    name: str, make_server: Callable[..., EtcdServer], make_backend: Callable[..., EtcdBackend]
+) -> None:
+    """etcd killed and started again a second later: an acquire with a timeout waits it out."""
+    server = make_server("outage")
+    backend = make_backend(server.endpoint, timeout=1)
+    backend.acquire(name, timeout=0).release()  # connected, with a session lease
+    server.kill()
+    restart = threading.Thread(target=lambda: (time.sleep(1.0), server.start()))
+    restart.start()
+    try:
+        started = time.monotonic()
+        held = backend.acquire(name, timeout=30)
+        elapsed = time.monotonic() - started
+    finally:
+        restart.join(60)
+    assert elapsed >= 0.8, "acquired while etcd was down?"
+    held.ensure()
+    assert [info.token for info in backend.list(name)] == [held.token]
+    held.release()
+
+
+def test_etcd_down_for_the_whole_timeout(
+    name: str, make_server: Callable[..., EtcdServer], make_backend: Callable[..., EtcdBackend]
+) -> None:
+    server = make_server("outage")
+    backend = make_backend(server.endpoint, timeout=0.5)
+    backend.acquire(name, timeout=0).release()
+    server.kill()
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable, match=r"retried for \d") as excinfo:
+        backend.acquire(name, timeout=3)
+    elapsed = time.monotonic() - started
+    assert elapsed >= 0.8 * 3, f"gave up after {elapsed:.2f}s of a 3s timeout"
+    assert excinfo.value.transient
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable) as excinfo:
+        backend.acquire(name, timeout=0)  # fail fast: one try
+    assert time.monotonic() - started < 2.5
+    assert "retried" not in str(excinfo.value)

@@ -25,7 +25,7 @@ from django.test import override_settings
 
 from django_dlock import BackendUnavailable, LockTimeout, lock, locks
 from django_dlock.backends.base import Grant
-from django_dlock.backends.redis import WAITER_LEASE_MS, RedisBackend
+from django_dlock.backends.redis import HANDOVER_LEASE_MS, WAITER_LEASE_MS, RedisBackend
 from django_dlock.checks import check_backends
 from tests.netproxy import Proxy
 from tests.servers import RedisServer, free_port, redis_cli, wait_for
@@ -377,7 +377,7 @@ def test_unreachable_server_is_unavailable(name: str) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     with override_settings(DLOCK_BACKENDS={"default": {"BACKEND": REDIS, "LOCATION": url}}):
         with pytest.raises(BackendUnavailable) as excinfo:
-            lock(name).acquire()
+            lock(name, timeout=0).acquire()  # with a timeout it would be retried till then
     assert excinfo.value.backend == "default"
 
 
@@ -429,7 +429,7 @@ def test_fair_release_hands_the_lock_to_the_first_waiter(name: str) -> None:
     assert _holder_of(backend, name) == "first"
     [info] = backend.list(name)
     assert info.holder == {"who": "first"}
-    assert info.expires_in <= WAITER_LEASE_MS / 1000
+    assert info.expires_in <= HANDOVER_LEASE_MS / 1000
     assert backend.do_release(name, "first")
     assert _holder_of(backend, name) == "second"
     assert backend.do_release(name, "second")
@@ -455,9 +455,9 @@ def test_fair_handed_over_lease_is_extended_to_the_full_ttl(name: str) -> None:
     waiter.join(30)
     [held] = got
     client = redis.Redis.from_url(_fair().locations[0])
-    assert client.pttl(_fair()._keys(name).lock) <= WAITER_LEASE_MS
+    assert client.pttl(_fair()._keys(name).lock) <= HANDOVER_LEASE_MS
     # The watchdog renews at a third of the short lease, with the full TTL.
-    wait_for(lambda: client.pttl(_fair()._keys(name).lock) > WAITER_LEASE_MS, 10, "extension")
+    wait_for(lambda: client.pttl(_fair()._keys(name).lock) > HANDOVER_LEASE_MS, 10, "extension")
     held.ensure()
     assert held.token > holder.token
     held.release()
@@ -470,8 +470,8 @@ def test_fair_handed_over_lease_without_renewal_is_extended_at_once(name: str) -
     waiter.join(30)
     [held] = got
     client = redis.Redis.from_url(_fair().locations[0])
-    assert client.pttl(_fair()._keys(name).lock) > WAITER_LEASE_MS
-    assert held.expires_in > WAITER_LEASE_MS / 1000
+    assert client.pttl(_fair()._keys(name).lock) > HANDOVER_LEASE_MS
+    assert held.expires_in > HANDOVER_LEASE_MS / 1000
     held.release()
 
 
@@ -486,10 +486,12 @@ def test_unfair_waiter_that_waited_too_long_is_queued_and_served_next(name: str)
     assert backend.do_acquire(name, "starving", 30, "{}") is None
     assert backend._waiter("starving").queued_at is not None
     time.sleep(0.5)  # the holder's lease runs out without a release
-    # The lock is free, but a newcomer may not barge ahead of the queued waiter.
+    # The lock is free, but a newcomer may not barge ahead of the queued waiter:
+    # its refused attempt hands the lock to that waiter (issue 16).
     assert backend.do_acquire(name, "newcomer", 30, "{}") is None
+    assert _holder_of(backend, name) == "starving"
     granted = backend.do_acquire(name, "starving", 30, "{}")
-    assert isinstance(granted, int)
+    assert isinstance(granted, Grant) and granted.lease <= HANDOVER_LEASE_MS / 1000
     assert backend.do_release(name, "starving")
 
 
@@ -763,3 +765,149 @@ def test_redlock_works_in_a_forked_child(redis_servers: dict[str, Any], name: st
         assert pipe.read() == b"ok"
     with lock(f"{name}:parent", backend="redlock", timeout=5):  # and the parent still works
         pass
+
+
+# --- waking when a lease ends, and hand-overs to waiters that stopped (issue 16) -------------
+
+# A process that takes a lock and keeps it until it is killed (or stopped with
+# SIGSTOP while it waits for it). DLOCK_HOLDER: JSON with "backend" (a
+# DLOCK_BACKENDS entry), "name", "ttl", "renew", "timeout". Prints one line
+# when it holds the lock.
+_HOLDER = """
+import json, os, time
+import django
+from django.conf import settings
+config = json.loads(os.environ["DLOCK_HOLDER"])
+settings.configure(INSTALLED_APPS=["django_dlock"], DLOCK_BACKENDS={"default": config["backend"]})
+django.setup()
+from django_dlock import lock
+held = lock(
+    config["name"], ttl=config["ttl"], renew=config["renew"], timeout=config["timeout"]
+).acquire()
+print(held.token, flush=True)
+time.sleep(120)
+"""
+
+
+def _lock_process(alias: str, name: str, **options: Any) -> subprocess.Popen[str]:
+    """A process that acquires ``name`` on ``alias`` (see _HOLDER); it is not waited for."""
+    from django.conf import settings
+
+    config = {
+        "backend": settings.DLOCK_BACKENDS[alias],
+        "name": name,
+        "ttl": 30,
+        "renew": True,
+        "timeout": 60,
+        **options,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", _HOLDER],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "DLOCK_HOLDER": json.dumps(config)},
+    )
+
+
+def _kill(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait(timeout=20)
+    if process.stdout is not None:
+        process.stdout.close()
+
+
+def _lease_end(alias: str, name: str) -> float:
+    """When the lease on ``name`` ends, by our clock, from its PTTL on the server(s).
+
+    Redlock: the lease holds while a majority of masters hold it; with one of
+    three down, that ends at the earlier expiry of the two live ones.
+    """
+    backend = locks[alias]
+    assert isinstance(backend, RedisBackend)
+    ends = []
+    for node in backend.nodes:
+        before = time.monotonic()
+        try:
+            pttl = int(node.command("PTTL", backend._keys(name).lock))
+        except redis.RedisError:
+            continue  # Redlock's stopped master
+        if pttl > 0:
+            ends.append((before + time.monotonic()) / 2 + pttl / 1000)
+    assert ends, f"{name!r} is not held on {alias!r}"
+    return min(ends)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("alias", ["redis", "redis-fair", "redlock", "redis-cluster"])
+def test_a_waiter_takes_the_lock_when_a_killed_holders_lease_ends(alias: str, name: str) -> None:
+    """Issue 16: waiters took the lock about a second after a SIGKILLed holder's lease ended."""
+    holder = _lock_process(alias, name, ttl=4, renew=False)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip()
+        got: list[tuple[Any, float]] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(
+                (lock(name, backend=alias, timeout=30).acquire(), time.monotonic())
+            )
+        )
+        waiter.start()
+        time.sleep(1.0)  # the waiter has been refused and blocks
+        ends = _lease_end(alias, name)
+        os.kill(holder.pid, signal.SIGKILL)
+    finally:
+        _kill(holder)
+    waiter.join(30)
+    [(held, at)] = got
+    held.release()
+    print(f"{alias}: lag {at - ends:.3f}s")
+    assert at - ends < 0.3, f"took the lock {at - ends:.2f}s after the lease ended"
+
+
+def _lines(process: subprocess.Popen[str]) -> list[str]:
+    """The lines ``process`` prints, collected by a thread as they come."""
+    lines: list[str] = []
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line.strip())
+
+    threading.Thread(target=read, name="test-reader", daemon=True).start()
+    return lines
+
+
+@pytest.mark.multiprocess
+def test_a_stopped_waiter_handed_the_lock_stalls_the_queue_briefly(name: str) -> None:
+    """Issue 16: a fair waiter frozen as it was handed the lock held everyone up 3 s.
+
+    The hand-over lease is now HANDOVER_LEASE_MS (1 s); the waiter behind it
+    takes the lock when that runs out. The stopped waiter, resumed, finds the
+    lease it was handed gone: it queues again instead of believing it holds
+    the lock, and is served after the waiter that took its turn.
+    """
+    backend = _fair()
+    holder = lock(name, backend="redis-fair").acquire()
+    frozen = _lock_process("redis-fair", name, ttl=30, timeout=60)
+    try:
+        said = _lines(frozen)
+        wait_for(lambda: len(_queue(name)) == 1, 30, "the process queued")
+        waiter, got = _queued_waiter(name, 2, timeout=30)
+        os.kill(frozen.pid, signal.SIGSTOP)
+        released = time.monotonic()
+        holder.release()  # hands the lock to the stopped process
+        waiter.join(30)
+        stall = time.monotonic() - released
+        [held] = got
+        assert stall < HANDOVER_LEASE_MS / 1000 + 0.8, f"the queue stalled {stall:.2f}s"
+        os.kill(frozen.pid, signal.SIGCONT)
+        time.sleep(1.0)  # it reads the hand-over it slept through, and asks the server
+        assert said == [], "the resumed process believes it holds the lock"
+        held.ensure()
+        assert len(_queue(name)) == 1, "the resumed process did not queue again"
+        held.release()  # its turn now
+        wait_for(lambda: bool(said), 10, "the resumed process took its turn")
+        assert int(said[0]) > held.token
+    finally:
+        _kill(frozen)
+        backend.break_lock(name)

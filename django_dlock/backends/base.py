@@ -62,7 +62,6 @@ import asyncio
 import contextvars
 import functools
 import logging
-import math
 import random
 import threading
 import time
@@ -83,6 +82,7 @@ from .._validation import (
     validate_ttl,
 )
 from ..exceptions import (
+    BackendUnavailable,
     InvalidLockOption,
     InvalidTTL,
     LockConfigurationError,
@@ -100,19 +100,34 @@ BACKOFF_FACTOR = 2.0
 BACKOFF_CEILING = 0.1
 
 
-def backoff(attempt: int) -> float:
-    """The jittered sleep before retry ``attempt`` (0, 1, ...): doubling up to the ceiling.
+def backoff(attempt: int, ceiling: float = BACKOFF_CEILING) -> float:
+    """The jittered sleep before retry ``attempt`` (0, 1, ...): doubling up to ``ceiling``.
 
-    The exponent stops growing once the ceiling is reached: ``2.0 ** 1024``
-    overflows a float, which a waiter reaches after about 77 s of 0.1 s sleeps.
+    The exponent stops growing long after any ceiling is reached: ``2.0 **
+    1024`` overflows a float, which a waiter reached after about 77 s of 0.1 s
+    sleeps.
     """
-    ceiling = BACKOFF_FIRST * BACKOFF_FACTOR ** min(attempt, _BACKOFF_STEPS)
-    ceiling = min(BACKOFF_CEILING, ceiling)
+    ceiling = min(ceiling, BACKOFF_FIRST * BACKOFF_FACTOR ** min(attempt, _MAX_DOUBLINGS))
     return random.uniform(ceiling / 2, ceiling)
 
 
-# Doublings from BACKOFF_FIRST past BACKOFF_CEILING: more never change the ceiling.
-_BACKOFF_STEPS = 1 + math.ceil(math.log(BACKOFF_CEILING / BACKOFF_FIRST, BACKOFF_FACTOR))
+def outage_backoff(retry: int) -> float:
+    """The jittered sleep before retry ``retry`` while the service is down.
+
+    The waiting backoff, growing on to OUTAGE_BACKOFF_CEILING: many waiters
+    must not reconnect ten times a second each to a server that is coming
+    back up (each retry may also release its unknown attempt).
+    """
+    return backoff(retry, OUTAGE_BACKOFF_CEILING)
+
+
+#: Longest sleep between retries while the lock service is down, seconds.
+OUTAGE_BACKOFF_CEILING = 1.0
+# More doublings than any ceiling needs (0.002 * 2**64 is about 3.7e16 s).
+_MAX_DOUBLINGS = 64
+
+#: An acquire with no timeout that rides out an outage says so this often (seconds).
+OUTAGE_LOG_EVERY = 30.0
 
 
 @dataclass(frozen=True)
@@ -344,6 +359,11 @@ class BaseLockBackend:
         """Acquire ``name``, waiting up to ``timeout`` seconds (None: forever, 0: one try).
 
         Raises :class:`~django_dlock.LockTimeout` when the deadline passes first.
+        While the lock service is unavailable the attempt is retried with
+        backoff until the deadline, and then the last
+        :class:`~django_dlock.BackendUnavailable` is raised; ``timeout=0``
+        fails fast, and errors no retry can fix (a wrong password) are raised
+        at once.
         """
         return self._acquire(
             validate_name(name),
@@ -367,40 +387,134 @@ class BaseLockBackend:
         """The blocking loop of ``acquire()``, without its I/O.
 
         It yields ``(primitive, args, kwargs)`` for each call to the lock service
-        ("acquire", "wait", "abandon"), and is sent each call's result or
-        thrown its exception. ``_acquire`` drives it with the sync primitives
-        once its first attempt was refused (``refused``), and ``_aacquire`` with
-        the awaitable ones from the start, so both share one loop.
+        ("acquire", "wait", "abandon", "release") and for a pause ("sleep"),
+        and is sent each call's result or thrown its exception. ``_acquire``
+        drives it with the sync primitives once its first attempt was refused
+        (``refused``) or failed, and ``_aacquire`` with the awaitable ones from
+        the start, so both share one loop.
+
+        An outage is ridden out: a :class:`BackendUnavailable` from a call is
+        retried after a backoff sleep until the deadline, and then raised
+        (not ``LockTimeout``: the caller should learn the service was down),
+        unless it is not ``transient`` (a wrong password), which is raised at
+        once. ``timeout=0`` has no time to retry in. With no deadline the
+        outage is logged as a warning when it starts and every OUTAGE_LOG_EVERY
+        seconds while it lasts, so that a waiter hanging on it shows.
         """
         attempt = 0
         # True while an attempt is out whose outcome we may never learn: sent,
         # then a timeout, a lost connection or a cancelled task. The service
         # may have granted it; nobody would hold that lease until its TTL ran
-        # out, so it is released (owner-checked) on the way out.
+        # out, so it is released (owner-checked) before the next attempt or on
+        # the way out.
         unknown = False
+        # The outage being ridden out: its latest error, when it began, how
+        # many backoff sleeps it has had, and when it was last logged.
+        failure: BackendUnavailable | None = None
+        down_since = 0.0
+        logged: float | None = None
+        retries = 0
         try:
             while True:
-                if refused:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0 and (refused or failure):
+                    if failure is None:
                         raise LockTimeout(
                             f"Could not acquire lock {name!r} on backend {self.alias!r} "
                             f"within {timeout:g}s.",
                             name=name,
                             backend=self.alias,
                         )
-                    yield ("wait", (name, owner, remaining, attempt), {})
-                    attempt += 1
-                sent = time.monotonic()
-                unknown = True
-                result = yield ("acquire", (name, owner, ttl, holder[1]), {"renew": renew})
-                unknown = False
+                    if not retries:
+                        raise failure  # no time to retry in (timeout=0)
+                    raise BackendUnavailable(
+                        f"{failure} (retried for {time.monotonic() - down_since:.1f}s, until "
+                        f"the acquire timeout of {timeout:g}s ran out)",
+                        name=failure.name or name,
+                        backend=failure.backend or self.alias,
+                    ) from failure
+                try:
+                    if failure is not None:
+                        delay = outage_backoff(retries)
+                        yield (
+                            "sleep",
+                            (delay if remaining is None else min(delay, remaining),),
+                            {},
+                        )
+                        retries += 1
+                        if unknown:
+                            # The failed attempt may have been granted. Were it
+                            # left, the next attempt would wait for our own
+                            # lease (the database refuses an owner's second
+                            # attempt), so it goes first; if the service is
+                            # still down this fails, and is tried again.
+                            yield ("abandon", (name, owner), {})
+                            yield ("release", (name, owner), {})
+                            unknown = False
+                    elif refused:
+                        yield ("wait", (name, owner, remaining, attempt), {})
+                        attempt += 1
+                    sent = time.monotonic()
+                    unknown = True
+                    result = yield ("acquire", (name, owner, ttl, holder[1]), {"renew": renew})
+                    unknown = False
+                except BackendUnavailable as e:
+                    if not e.transient:
+                        raise
+                    now = time.monotonic()
+                    if failure is None:
+                        down_since = now
+                    if deadline is None and (logged is None or now - logged >= OUTAGE_LOG_EVERY):
+                        logged = now
+                        logger.warning(
+                            "Lock backend %r unavailable for %.0fs while acquiring %r; "
+                            "retrying until it answers (no timeout): %s",
+                            self.alias,
+                            now - down_since,
+                            name,
+                            e,
+                        )
+                    failure = e
+                    continue
+                if failure is not None:
+                    if logged is not None:
+                        logger.info(
+                            "Lock backend %r answers again after %.1fs; acquiring %r goes on",
+                            self.alias,
+                            time.monotonic() - down_since,
+                            name,
+                        )
+                    failure, retries, logged = None, 0, None
                 if result is not None:
-                    break
+                    if not self._arrived_late(name, result, sent, ttl):
+                        try:
+                            held = self._handle_for(
+                                name, owner, ttl, holder[0], renew, result, sent
+                            )
+                        except LockNotOwned:
+                            # A short first lease (a hand-over) ran out before
+                            # it could be extended to the TTL: not ours after
+                            # all, so wait again (the holder that follows
+                            # counts as refusing us).
+                            result = None
+                            refused = True
+                            continue
+                        break
+                    # Granted, but the reply came after the lease ran out by
+                    # our clock: someone else may hold the lock by now. Give
+                    # it back (owner-checked) and go on as if refused.
+                    try:
+                        yield ("release", (name, owner), {})
+                    except Exception:
+                        logger.debug("Could not release a late grant of %r", name)
+                    result = None
                 refused = True
         except BaseException as e:
             # An error that says the attempt took no effect is not unknown.
-            unknown = unknown and not getattr(e, "outcome_known", False)
+            # Nor is one the service refuses every time (a wrong password,
+            # a TTL out of range): it was refused, not lost on the way.
+            known = getattr(e, "outcome_known", False) or getattr(e, "transient", True) is False
+            unknown = unknown and not known
             for step, needed in (("abandon", refused or unknown), ("release", unknown)):
                 if not needed:
                     continue
@@ -411,7 +525,27 @@ class BaseLockBackend:
                     # error matters more.
                     logger.warning("Could not %s the attempt on %r on %r", step, name, self.alias)
             raise
-        return self._handle_for(name, owner, ttl, holder[0], renew, result, sent)
+        return held
+
+    def _arrived_late(self, name: str, result: int | Grant, sent: float, ttl: float) -> bool:
+        """Did the grant's reply come after its lease had run out by our clock?
+
+        A reply held up by the network longer than the TTL (the chaos run's
+        black hole) grants a lease that is gone: handing it to the caller
+        would let two holders believe they hold the lock.
+        """
+        if isinstance(result, Grant):
+            expires, lease = result.expires, result.lease
+        else:
+            expires, lease = sent + ttl, ttl
+        if expires - self.drift(lease) > time.monotonic():
+            return False
+        logger.warning(
+            "A grant of %r on %r came back after its lease had run out; trying again",
+            name,
+            self.alias,
+        )
+        return True
 
     def _handle_for(
         self,
@@ -453,7 +587,16 @@ class BaseLockBackend:
             next(steps)
             return self._drive(steps, e)
         if result is not None:  # the uncontended case: no loop to drive
-            return self._handle_for(name, owner, ttl, holder[0], renew, result, sent)
+            if not self._arrived_late(name, result, sent, ttl):
+                try:
+                    return self._handle_for(name, owner, ttl, holder[0], renew, result, sent)
+                except LockNotOwned:
+                    pass  # its short first lease ran out: wait, as in _acquisition
+            else:
+                try:
+                    self.do_release(name, owner)  # as in _acquisition
+                except Exception:
+                    logger.debug("Could not release a late grant of %r", name)
         steps = self._acquisition(name, owner, ttl, holder, timeout, deadline, renew, True)
         return self._drive(steps, None, next(steps))
 
@@ -469,6 +612,7 @@ class BaseLockBackend:
             "wait": self.wait,
             "abandon": self.do_abandon,
             "release": self.do_release,
+            "sleep": time.sleep,
         }
         done = False
         if error is not None:
@@ -522,6 +666,7 @@ class BaseLockBackend:
             "wait": self.await_,
             "abandon": self.ado_abandon,
             "release": self.ado_release,
+            "sleep": asyncio.sleep,
         }
         step: Any
         done, step = False, next(steps)

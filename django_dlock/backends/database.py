@@ -104,6 +104,37 @@ BUSY_RETRIES = 6
 # MySQL error codes for a lost race between transactions: deadlock, lock wait timeout.
 _MYSQL_RETRYABLE = {1213, 1205}
 
+# What no retry fixes (see BackendUnavailable.transient). MySQL/MariaDB codes:
+# access denied to a database / for a user, unknown database, command or column
+# denied, no such table, missing privilege, socket auth refused.
+_MYSQL_REFUSED = {1044, 1045, 1049, 1142, 1143, 1146, 1227, 1698}
+# PostgreSQL SQLSTATE classes: 28 invalid authorization, 3D no such database,
+# 42 access rule violation (permission denied, no such table).
+_PG_REFUSED = ("28", "3D", "42")
+# psycopg reports a refused connection with no SQLSTATE, only the server's text.
+_PG_REFUSED_TEXT = (
+    "password authentication failed",
+    "no pg_hba.conf entry",
+    "does not exist",
+    "permission denied",
+    # SQLite: a NAME whose directory is missing or not writable.
+    "unable to open database file",
+)
+
+
+def _transient(error: Exception) -> bool:
+    """Whether trying the statement again later may succeed (a server restarting may)."""
+    if not isinstance(error, (OperationalError, InterfaceError)):
+        return False  # ProgrammingError, DataError, ...: the same statement fails again
+    cause = error.__cause__ or error
+    if error.args and error.args[0] in _MYSQL_REFUSED:
+        return False
+    sqlstate = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    if isinstance(sqlstate, str) and sqlstate.startswith(_PG_REFUSED):
+        return False
+    text = str(error)
+    return not any(refused in text for refused in _PG_REFUSED_TEXT)
+
 
 @dataclass(frozen=True)
 class _Statements:
@@ -351,9 +382,9 @@ class DatabaseBackend(BaseLockBackend):
     ) -> T:
         connection = self._connection(owner)
         statements = self._sql(connection)
-        if connection.vendor == "sqlite":
-            _add_clock(connection)
         try:
+            if connection.vendor == "sqlite":
+                _add_clock(connection)  # opens the file: inside, so its errors are ours
             with connection.cursor() as cursor:
                 return fn(connection, statements, cursor)
         except (OperationalError, InterfaceError) as e:
@@ -379,6 +410,7 @@ class DatabaseBackend(BaseLockBackend):
 
         what = f" for lock {name!r}" if name else ""
         message = f"Database {self.database!r} failed{what}: {error}"
+        transient = _transient(error)
         try:
             with connection.cursor() as cursor:
                 tables = connection.introspection.table_names(cursor)
@@ -387,9 +419,10 @@ class DatabaseBackend(BaseLockBackend):
                     f"Table {Lease._meta.db_table} is missing from database {self.database!r}:"
                     " run `manage.py migrate django_dlock`."
                 )
+                transient = False
         except DatabaseError:
             pass
-        return BackendUnavailable(message, name=name, backend=self.alias)
+        return BackendUnavailable(message, name=name, backend=self.alias, transient=transient)
 
     def _retry_busy(
         self,

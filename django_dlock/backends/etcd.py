@@ -85,6 +85,27 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 RETRY_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN}
 )
+#: gRPC codes that no retry fixes: a wrong user or password (etcd answers
+#: INVALID_ARGUMENT), a missing permission, a token that re-authenticating did
+#: not renew. ``acquire()`` raises them at once.
+REFUSED_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    }
+)
+#: What ``acquire()`` retries while its timeout lasts: no answer, a deadline
+#: passed, a leader being elected. Everything else (REFUSED_CODES, a lease TTL
+#: too large, ...) is raised at once.
+TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
 #: Pause between rounds over every endpoint while a cluster elects a leader.
 RETRY_PAUSE = 0.05
 #: One try may take this share of an operation's ``timeout``. A request that a
@@ -670,11 +691,16 @@ class EtcdBackend(BaseLockBackend):
     def _unavailable(self, name: str, error: grpc.RpcError) -> BackendUnavailable:
         details = error.details() if hasattr(error, "details") else str(error)
         what = f" for lock {name!r}" if name else ""
+        code = error.code() if hasattr(error, "code") else None
         return BackendUnavailable(
             f"etcd at {', '.join(self.endpoints)} failed{what} on backend "
-            f"{self.alias!r}: {error.code().name if hasattr(error, 'code') else ''} {details}",
+            f"{self.alias!r}: {code.name if code is not None else ''} {details}",
             name=name,
             backend=self.alias,
+            # Only a service that did not answer (or is electing) is worth
+            # waiting for; a refusal or a bad request (a lease TTL etcd will
+            # not grant) fails the same way every time.
+            transient=code in TRANSIENT_CODES,
         )
 
     def _call(self, name: str, stub: str, method: str, request: Any, **kwargs: Any) -> Any:

@@ -81,8 +81,19 @@ try:
     from redis.backoff import NoBackoff
     from redis.cluster import RedisCluster
     from redis.commands.core import Script
+    from redis.exceptions import (
+        AuthenticationError,
+        AuthenticationWrongNumberOfArgsError,
+        AuthorizationError,
+        BusyLoadingError,
+        ClusterDownError,
+        NoPermissionError,
+        NoScriptError,
+        RedisError,
+        ResponseError,
+        TryAgainError,
+    )
     from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import NoScriptError, RedisError, ResponseError
     from redis.exceptions import TimeoutError as RedisTimeoutError
     from redis.retry import Retry
 except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -90,12 +101,36 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "The Redis lock backend needs redis-py: pip install 'django-dlock[redis]'"
     ) from e
 
+#: Errors that say the server refused who we are or what we may do: acquire
+#: does not retry them (see BackendUnavailable.transient).
+_REFUSED_WHO = (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    NoPermissionError,
+)
+
+#: Errors that ``acquire()`` retries while its timeout lasts.
+_TRANSIENT = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    BusyLoadingError,
+    ClusterDownError,
+    TryAgainError,
+)
+
 #: Longest single blocking wait; waiters re-check at least this often.
 WAIT_CAP = 1.0
 #: A fair waiter that has not re-checked for this long is presumed dead and
 #: dropped from the queue; an unfair waiter's "someone waits" flag lasts as
 #: long. Must exceed WAIT_CAP comfortably.
 WAITER_LEASE_MS = 3000
+#: A queued waiter handed the lock gets min(its TTL, this) until its watchdog
+#: extends the lease (at a third of it). A waiter stopped (SIGSTOP, a VM
+#: pause) just as it is handed the lock holds everyone else up this long; not
+#: above WAIT_CAP, so that every waiter behind it has re-checked by then and
+#: wakes when it ends (issue 16: 3 s, the waiter lease, before).
+HANDOVER_LEASE_MS = 1000
 #: Redlock: a master with calls out that has answered none for this long gets
 #: no new ones until they return (they end by the socket timeout at the latest).
 STUCK_AFTER = 0.5
@@ -125,11 +160,13 @@ local now_us = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
 #
 # The queue gives first come, first served: while it has a live waiter,
 # nobody else may take the lock, and a release hands the lock straight to the
-# first live waiter, so it is never idle between holders. The waiter is
-# granted min(its ttl, the waiter lease), which bounds the stall if it died in
-# the last moments before its turn, and its watchdog extends that to its full
-# TTL. The grant is announced on the waiter's signal list as
-# "token:granted_us:lease_ms". Without the queue (the unfair fast path) a
+# first live waiter, so it is never idle between holders; so does a refused
+# attempt that finds the lock free (a lease ran out) and another waiter first
+# in line. The waiter is granted min(its ttl, HANDOVER_LEASE_MS), which bounds
+# the stall if it died or stopped in the last moments before its turn, and its
+# watchdog extends that to its full TTL. The grant is announced on the
+# waiter's signal list as "token:granted_us:lease_ms". Without the queue (the
+# unfair fast path) a
 # refused caller sets the "someone waits" flag and a release pushes one
 # element to the wake list for a blocked waiter to take.
 
@@ -174,7 +211,7 @@ local function hand_off()
         redis.call('hdel', KEYS[6], head)
         if info then
             local sep = string.find(info, ':', 1, true)
-            local lease = math.min(tonumber(string.sub(info, 1, sep - 1)), tonumber(ARGV[5]))
+            local lease = math.min(tonumber(string.sub(info, 1, sep - 1)), HANDOVER_LEASE_MS)
             local token = grant(head, lease, string.sub(info, sep + 1))
             local sig = ARGV[6] .. head
             redis.call('rpush', sig, string.format('%d', token) .. ':' ..
@@ -193,7 +230,9 @@ local function enqueue()
     end
     for i = 4, 6 do redis.call('pexpire', KEYS[i], 2 * lease) end
 end
-""".replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS))
+""".replace("SIGNAL_TTL_MS", str(SIGNAL_TTL_MS)).replace(
+    "HANDOVER_LEASE_MS", str(HANDOVER_LEASE_MS)
+)
 
 _QUEUE = _NOW_US + _GRANT + _QUEUE_FNS
 
@@ -211,7 +250,9 @@ end
 # Returns the new fencing token (> 0); {token, PTTL} if ARGV[1] holds the lock
 # already (a retry after a lost reply, or a hand-over it has not seen yet);
 # when refused, -(holder's PTTL + 1), or {-(PTTL + 1), server time in us} if
-# the caller is (now) queued.
+# the caller is (now) queued. A lock that is free while another live waiter
+# is first in line (a lease ran out: nobody released it) is handed to that
+# waiter here, so the queue moves on although the waiter due may be stopped.
 ACQUIRE = (
     """
 local current = redis.call('get', KEYS[1])
@@ -237,6 +278,9 @@ if pttl == -2 and (not head or head == ARGV[1]) then
         redis.call('hdel', KEYS[6], ARGV[1])
     end
     return grant(ARGV[1], ARGV[2], ARGV[4])
+end
+if pttl == -2 and hand_off() then
+    pttl = redis.call('pttl', KEYS[1])
 end
 if ARGV[7] == '1' then
     enqueue()
@@ -399,8 +443,9 @@ for _, name in ipairs(page) do
     if not value then
         redis.call('zrem', KEYS[1], name)
     else
+        -- 0: under a millisecond left, but live (acquire still refuses).
         local pttl = redis.call('pttl', key)
-        if pttl > 0 then
+        if pttl >= 0 then
             out[#out + 1] = name
             out[#out + 1] = value
             out[#out + 1] = pttl
@@ -836,6 +881,11 @@ class RedisBackend(BaseLockBackend):
             f"Redis at {node.label} failed{what} on backend {self.alias!r}: {error}",
             name=name,
             backend=self.alias,
+            # NOAUTH, WRONGPASS, NOPERM: only new settings (or ACLs) fix these.
+            # Only a server that did not answer, or is loading or failing
+            # over, is worth waiting for; a script error (a TTL out of range,
+            # a key of the wrong type) or a refused login fails every time.
+            transient=isinstance(error, _TRANSIENT) and not isinstance(error, _REFUSED_WHO),
         )
 
     # --- keys -------------------------------------------------------------------------
@@ -998,9 +1048,9 @@ class RedisBackend(BaseLockBackend):
     def do_acquire(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
     ) -> int | Grant | None:
-        waiter = self._waiter(owner)
-        if waiter is not None and waiter.handed is not None:
-            return waiter.handed  # wait() saw the previous holder hand the lock over
+        handed = self._take_handed(owner)
+        if handed is not None:
+            return handed  # wait() saw the previous holder hand the lock over
         call = self._acquire_call(name, owner, ttl, holder)
         sent = time.monotonic()
         if not self.redlock:
@@ -1233,6 +1283,25 @@ class RedisBackend(BaseLockBackend):
                 timeout = min(timeout, until_queue)
         return k.wake, timeout
 
+    def _take_handed(self, owner: str) -> Grant | None:
+        """The lease ``wait()`` saw handed to ``owner``, if most of it is left.
+
+        Its lease counts from when it was handed over, not from now: a
+        waiter that was slow to see it (paused, stopped with SIGSTOP) may
+        find it gone, or about to go, and handed to the next waiter. Then
+        the attempt asks the server instead, which answers with the lease
+        left if it is still ours, and queues it again if it is not.
+        """
+        waiter = self._waiter(owner)
+        if waiter is None or waiter.handed is None:
+            return None
+        handed, waiter.handed = waiter.handed, None
+        left = handed.expires - time.monotonic()
+        if left <= handed.lease / 2:
+            return None
+        # The watchdog's first renewal comes at a third of what is left.
+        return Grant(handed.token, handed.expires, left)
+
     def _woken(self, owner: str, popped: Any) -> None:
         """A BLPOP returned: in fair mode, what it popped is the hand-over."""
         waiter = self._waiter(owner)
@@ -1265,9 +1334,9 @@ class RedisBackend(BaseLockBackend):
     async def ado_acquire(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
     ) -> int | Grant | None:
-        waiter = self._waiter(owner)
-        if waiter is not None and waiter.handed is not None:
-            return waiter.handed
+        handed = self._take_handed(owner)
+        if handed is not None:
+            return handed
         keys, args = self._acquire_args(name, owner, ttl, holder)
         sent = time.monotonic()
         reply = await self._arun(name, self.nodes[0].acquire, keys, args)
