@@ -12,7 +12,7 @@ DEMO_VENV ?= .venv-demo
 DEMO_BIN := $(DEMO_VENV)/bin
 DEMO_STAMP := $(DEMO_VENV)/.installed
 
-.PHONY: demo fresh-check test lint typecheck packaging docs system-deps screenshots clean
+.PHONY: demo fresh-check test model-long chaos lint typecheck packaging docs system-deps screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,20 @@ system-deps:
 
 test: system-deps $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The model-based tests (tests/test_model.py) with Hypothesis's "long" profile:
+# examples without end, one backend after the other; narrow it with
+# PYTEST_ARGS="-k redis" and stop it with Ctrl-C.
+model-long: system-deps $(STAMP)
+	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest tests/test_model.py $(PYTEST_ARGS)
+
+# Every backend against every fault (chaos/run.py): about 10 minutes, then a
+# table; exit 1 on any violation. CI runs `make chaos CHAOS_ARGS=--short`
+# (each fault and each backend once, under 3 minutes). The network faults
+# need root (namespaces and iptables); without it they are skipped, saying so.
+CHAOS_ARGS ?= --seconds 600
+chaos: system-deps $(STAMP)
+	$(BIN)/python -m chaos $(CHAOS_ARGS)
 
 # The admin screenshots in docs/img/, taken by the browser test.
 screenshots: system-deps $(STAMP)
