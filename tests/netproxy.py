@@ -8,6 +8,10 @@ flow unchanged, except that:
   ``seconds`` are held until that window ends. The server has run the
   commands (in order, at once); only the client does not hear back, so its
   socket timeout fires on a command that did take effect.
+- ``delay_next_request(seconds)``: the next request chunk, on whichever
+  connection sends it, is held this long; other connections' requests pass.
+  A client that sends a second command on another connection meanwhile has
+  it run first.
 - ``latency``: every chunk, either way, is delayed this many seconds.
 
 Every loop ends when the proxy is closed, and every socket has a timeout.
@@ -28,6 +32,7 @@ class Proxy:
         self.target = ("127.0.0.1", target_port)
         self.latency = latency
         self._hold_until = 0.0
+        self._delay_next = 0.0
         self._closed = threading.Event()
         # ``listen``: the chaos run (chaos/) serves workers in a network
         # namespace on the host's end of a veth pair.
@@ -45,6 +50,10 @@ class Proxy:
 
     def stall_replies(self, seconds: float) -> None:
         self._hold_until = time.monotonic() + seconds
+
+    def delay_next_request(self, seconds: float) -> None:
+        with self._mutex:
+            self._delay_next = seconds
 
     def close(self) -> None:
         self._closed.set()
@@ -88,6 +97,9 @@ class Proxy:
                 delay = self.latency
                 if replies:
                     delay = max(delay, self._hold_until - time.monotonic())
+                else:
+                    with self._mutex:
+                        delay, self._delay_next = max(delay, self._delay_next), 0.0
                 if delay > 0:
                     self._closed.wait(delay)
                 sink.sendall(chunk)

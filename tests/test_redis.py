@@ -268,6 +268,39 @@ def test_redlock_without_a_quorum_is_unavailable(redis_servers: dict[str, Any], 
         assert held.token > 0
 
 
+def test_redlock_undo_follows_a_slow_grant(name: str) -> None:
+    """An attempt without a quorum is undone on a master whose grant was still out.
+
+    Two masters refuse connections at once, so the attempt is decided before
+    the third answers. The undo must reach that master after its grant, not
+    overtake it on another connection: a grant that lands after its undo is a
+    key nobody holds, refusing everyone until its TTL ends.
+    """
+    server = RedisServer(free_port()).start()
+    proxy = Proxy(server.port)
+    dead = [f"redis://127.0.0.1:{free_port()}/0" for _ in range(2)]
+    backend = RedisBackend(
+        "redlock-slow", {"LOCATION": [proxy.url, *dead], "OPTIONS": {"socket_timeout": 2}}
+    )
+    try:
+        # Load the scripts on the live master, so each attempt is one request.
+        RedisBackend("redlock-slow-warm", {"LOCATION": server.url}).acquire(
+            "warm", timeout=0
+        ).release()
+        for attempt in range(3):
+            proxy.delay_next_request(0.3)
+            with pytest.raises(BackendUnavailable):
+                backend.acquire(name, ttl=30, timeout=0)
+            k = backend._keys(name)
+            wait_for(lambda: proxy._delay_next == 0, 5, "the held request")
+            time.sleep(0.5)  # past the held grant's arrival
+            assert raw(server).exists(k.lock) == 0, f"attempt {attempt}: a grant outlived its undo"
+    finally:
+        backend.close()
+        proxy.close()
+        server.cleanup()
+
+
 def test_redlock_lease_counts_clock_drift() -> None:
     backend = locks["redlock"]
     assert backend.drift(10) == pytest.approx(0.102)

@@ -558,6 +558,9 @@ class _Node:
         self.progress = time.monotonic()
         self._count = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        #: Redlock: per lock name, the last call submitted and not yet done.
+        self._tails: dict[str, Future[Any]] = {}
+        self._order = threading.Lock()
         self.acquire = Script(client, ACQUIRE)
         self.release = Script(client, RELEASE)
         self.extend = Script(client, EXTEND)
@@ -591,6 +594,48 @@ class _Node:
             with self._count:
                 self.outstanding -= 1
                 self.progress = time.monotonic()
+
+    def submit(self, name: str, call: Callable[[_Node], Any]) -> Future[Any]:
+        """Redlock: ``call(self)`` on this master's pool, after its calls for ``name``.
+
+        The pool's threads have a connection each, so two calls for one lock
+        could reach the master in either order: an attempt's undo, sent once
+        the other masters had decided it, could run before the grant it undoes
+        and leave a key nobody holds. A call for a name with one still out is
+        submitted when that one is done (an error or timeout counts), without
+        tying up a thread while it waits.
+        """
+        with self._order:
+            previous = self._tails.get(name)
+            if previous is None or previous.done():
+                future = self.pool.submit(self.call, call)
+            else:
+                future = Future()
+                previous.add_done_callback(lambda _: self._relay(call, future))
+            self._tails[name] = future
+        future.add_done_callback(lambda done: self._forget(name, done))
+        return future
+
+    def _relay(self, call: Callable[[_Node], Any], future: Future[Any]) -> None:
+        try:
+            inner = self.pool.submit(self.call, call)
+        except RuntimeError as e:  # the pool was shut down (close())
+            future.set_exception(e)
+            return
+
+        def copy(done: Future[Any]) -> None:
+            error = done.exception()
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(done.result())
+
+        inner.add_done_callback(copy)
+
+    def _forget(self, name: str, future: Future[Any]) -> None:
+        with self._order:
+            if self._tails.get(name) is future:
+                del self._tails[name]
 
     def stuck(self) -> bool:
         """Calls are out and none has returned for STUCK_AFTER seconds."""
@@ -933,7 +978,7 @@ class RedisBackend(BaseLockBackend):
             if node.stuck():
                 results[i] = self._unavailable(name, _Stuck(node.label), node)
                 continue
-            futures[node.pool.submit(node.call, call)] = i
+            futures[node.submit(name, call)] = i
         pending = set(futures)
         deadline = time.monotonic() + self.socket_timeout
         while pending and not (decided is not None and decided(results)):
