@@ -21,8 +21,9 @@ from .exceptions import (
     LockTimeout,
     StaleWrite,
 )
+from .handle import HeldLock
 from .handler import locks
-from .lock import HeldLock, Lock, lock
+from .lock import Lock, lock
 
 __all__ = [
     "BackendUnavailable",

@@ -10,4 +10,4 @@ class DLockConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import checks, signals  # noqa: F401  (registers the check and receivers)
+        from . import checks, handler  # noqa: F401  (registers the checks and the receiver)

@@ -61,8 +61,9 @@ from kombu.utils.uuid import uuid
 from . import conf
 from ._validation import validate_timeout, validate_ttl
 from .exceptions import LockLost, LockTimeout
+from .handle import HeldLock
 from .handler import locks
-from .lock import HeldLock, KeyTemplate
+from .lock import KeyTemplate
 from .signals import task_skipped
 
 __all__ = ["HEADER", "LockOptions", "LockedTask", "locked_task"]
@@ -264,7 +265,7 @@ class LockedTask(Task):  # type: ignore[misc]
             # and Reject. A release that finds the lease gone is logged, not
             # raised: the body's work is done, and failing the task now could
             # make autoretry_for run it again.
-            held._release_quietly()
+            held.release_quietly()
 
     def _adopt(self, ticket: Mapping[str, Any]) -> HeldLock | None:
         try:
@@ -324,7 +325,7 @@ class LockedTask(Task):  # type: ignore[misc]
         """
         held = self.lock
         if held is not None and self.lock_options.scope == "run":
-            held._release_quietly()
+            held.release_quietly()
         return super().retry(*args, **kwargs)
 
     # --- enqueueing -------------------------------------------------------------------

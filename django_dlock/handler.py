@@ -2,8 +2,9 @@
 
 Shaped like Django's ``caches`` and ``task_backends``: ``DLOCK_BACKENDS`` is read
 on first use, each alias's ``BACKEND`` is imported with ``import_string`` and
-instantiated lazily, and ``signals.py`` resets the handler on
-``setting_changed`` so that ``override_settings`` just works.
+instantiated lazily, and a ``setting_changed`` receiver (at the end of this
+module, as in ``django.core.cache``) resets the handler so that
+``override_settings`` just works.
 
 Unlike ``caches``, one backend instance serves the whole process rather than
 one per thread: the watchdog thread renews leases through the same instance
@@ -16,6 +17,8 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 from django.utils.connection import BaseConnectionHandler
 from django.utils.module_loading import import_string
 
@@ -62,9 +65,16 @@ def validate_backends_setting(value: Any) -> dict[str, dict[str, Any]]:
     return value
 
 
-def backend_class(alias: str, params: dict[str, Any]) -> type[BaseLockBackend]:
-    from .backends.base import BaseLockBackend
+#: What the handler calls on a backend; a BACKEND without them is not one.
+_BACKEND_API = ("acquire", "aacquire", "adopt", "list", "break_lock", "ping", "close")
 
+
+def backend_class(alias: str, params: dict[str, Any]) -> type[BaseLockBackend]:
+    """Import ``params["BACKEND"]``: a lock backend class (a ``BaseLockBackend`` subclass).
+
+    Checked by the methods the handler and the API call, not ``issubclass``:
+    the backends module imports the lock API, which imports this handler.
+    """
     path = params.get("BACKEND")
     if not path or not isinstance(path, str):
         raise InvalidBackendError(
@@ -78,12 +88,13 @@ def backend_class(alias: str, params: dict[str, Any]) -> type[BaseLockBackend]:
         raise InvalidBackendError(
             f"Could not import BACKEND {path!r} for lock backend {alias!r}: {e}", alias=alias
         ) from e
-    if not (isinstance(cls, type) and issubclass(cls, BaseLockBackend)):
+    if not (isinstance(cls, type) and all(callable(getattr(cls, m, None)) for m in _BACKEND_API)):
         raise InvalidBackendError(
             f"BACKEND {path!r} for lock backend {alias!r} is not a BaseLockBackend subclass.",
             alias=alias,
         )
-    return cls
+    backend: type[BaseLockBackend] = cls
+    return backend
 
 
 class LockBackendHandler(_HandlerBase):
@@ -141,3 +152,11 @@ class LockBackendHandler(_HandlerBase):
 
 
 locks = LockBackendHandler()
+
+
+@receiver(setting_changed)
+def reset_on_setting_changed(*, setting: str, **kwargs: Any) -> None:
+    """``override_settings(DLOCK_BACKENDS=...)``: read the setting and make backends anew."""
+    if setting == "DLOCK_BACKENDS":
+        conf.clear_cache()
+        locks.reset()

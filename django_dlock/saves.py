@@ -25,7 +25,9 @@ from typing import Any
 from django.db import models, router
 
 from .fencing import FencedModel
-from .lock import HeldLock, lock, release_at_transaction_end
+from .handle import HeldLock
+from .lock import lock
+from .transactions import release_at_transaction_end
 
 DEFAULT_KEY = "{app_label}.{model_name}:{pk}"
 
@@ -93,7 +95,7 @@ def _under_lock(
     try:
         result = write(held)
     except BaseException:
-        held._release_quietly()
+        held.release_quietly()
         raise
     if not (release_on_commit and release_at_transaction_end(held, db, body_raised=False)):
         held.release()

@@ -1,4 +1,4 @@
-"""Signals sent by django-dlock, and the receiver that resets cached settings.
+"""Signals sent by django-dlock.
 
 Every signal is sent with ``sender`` = the backend class and these keyword
 arguments: ``backend`` (alias), ``name`` and ``token``; the handle-based ones
@@ -23,23 +23,10 @@ message was not sent), ``args`` and ``kwargs``.
 
 from __future__ import annotations
 
-from typing import Any
-
-from django.core.signals import setting_changed
-from django.dispatch import Signal, receiver
+from django.dispatch import Signal
 
 lock_acquired = Signal()
 lock_released = Signal()
 lock_lost = Signal()
 lock_broken = Signal()
 task_skipped = Signal()
-
-
-@receiver(setting_changed)
-def _reset_on_setting_changed(*, setting: str, **kwargs: Any) -> None:
-    if setting == "DLOCK_BACKENDS":
-        from . import conf
-        from .handler import locks
-
-        conf.clear_cache()
-        locks.reset()

@@ -24,7 +24,7 @@ from django.http import HttpRequest, HttpResponse
 
 from . import holders
 from .exceptions import LockTimeout
-from .lock import _UNSET, Lock
+from .lock import Lock
 
 V = TypeVar("V", bound=Callable[..., Any])
 
@@ -85,26 +85,26 @@ class _Guard:
     ) -> Any:
         name = lock_name(self.key, request, view_kwargs)
         try:
-            held = self.lock._acquire(_UNSET, name)
+            held = self.lock.acquire_handle(name=name)
         except LockTimeout:
             return locked_response(name, self.backend, self.status)
         try:
             return call()
         finally:
-            held._release_quietly()
+            held.release_quietly()
 
     async def arun(
         self, request: HttpRequest, view_kwargs: Mapping[str, Any], call: Callable[[], Any]
     ) -> Any:
         name = lock_name(self.key, request, view_kwargs)
         try:
-            held = await self.lock._aacquire(_UNSET, name)  # native where the backend is
+            held = await self.lock.aacquire_handle(name=name)  # native where the backend is
         except LockTimeout:
             return await asyncio.to_thread(locked_response, name, self.backend, self.status)
         try:
             return await call()
         finally:
-            await held._arelease_quietly()
+            await held.arelease_quietly()
 
 
 def lock_view(

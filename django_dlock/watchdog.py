@@ -5,7 +5,7 @@ a row before it runs out. The watchdog thread only schedules: the renewal
 calls run on one thread per backend alias (:class:`Renewer`), so that one
 slow or unreachable service never delays another backend's renewals, and a
 renewal that has not come back when its lease runs out marks the lease lost
-then (``HeldLock._due``). The thread keeps a heap of due times and weak
+then (``HeldLock.on_watchdog``). The thread keeps a heap of due times and weak
 references: a handle that nobody references any more is simply not renewed
 and its lease expires on the server, which is how a forgotten lock still ends.
 
@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .lock import HeldLock
+    from .handle import HeldLock
 
 logger = logging.getLogger("django_dlock")
 
@@ -53,6 +53,14 @@ DRAIN_AT = 4096
 
 
 class Watchdog:
+    """The heap of due renewals and its thread.
+
+    It schedules any object with an int attribute ``watchdog_generation``
+    (which it owns: bumping it makes earlier entries stale) and an
+    ``on_watchdog()`` method, which it calls on its thread when the entry is
+    due: :class:`~django_dlock.handle.HeldLock` and one-off timers.
+    """
+
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._incoming: deque[_Entry] = deque()
@@ -67,9 +75,9 @@ class Watchdog:
 
     def schedule(self, held: HeldLock, delay: float) -> None:
         """Renew ``held`` in ``delay`` seconds, replacing any earlier schedule."""
-        held._watch_generation += 1
+        held.watchdog_generation += 1
         due = time.monotonic() + delay
-        self._incoming.append((due, next(self._seq), weakref.ref(held), held._watch_generation))
+        self._incoming.append((due, next(self._seq), weakref.ref(held), held.watchdog_generation))
         if self._thread is None:
             self._start()
         elif due < self._wake_at or len(self._incoming) > DRAIN_AT:
@@ -84,9 +92,9 @@ class Watchdog:
         """
         timer = _Timer(self, action)
         self._timers.add(timer)
-        timer._watch_generation += 1
+        timer.watchdog_generation += 1
         ref: weakref.ref[HeldLock] = weakref.ref(timer)  # type: ignore[arg-type]
-        self._incoming.append((due, next(self._seq), ref, timer._watch_generation))
+        self._incoming.append((due, next(self._seq), ref, timer.watchdog_generation))
         if self._thread is None:
             threading.Thread(target=self._start, daemon=True).start()
         elif self._cond.acquire(blocking=False):
@@ -116,7 +124,7 @@ class Watchdog:
         # Entries are dropped lazily: bumping the generation makes them stale.
         # A lost race leaves a live-looking entry for a released handle, and
         # _renew() ignores handles that are no longer held.
-        held._watch_generation += 1
+        held.watchdog_generation += 1
 
     def pending(self) -> int:
         """Leases currently scheduled for renewal (stale entries excluded)."""
@@ -170,7 +178,7 @@ class Watchdog:
     def _run(self) -> None:
         while True:
             held = self._next_due()
-            held._due()
+            held.on_watchdog()
             del held
 
 
@@ -231,14 +239,14 @@ def _close_thread_connections() -> None:
 
 
 class _Timer:
-    """A one-off action, scheduled on the heap like a renewal (``_renew`` runs it)."""
+    """A one-off action, scheduled on the heap like a renewal."""
 
     def __init__(self, watchdog: Watchdog, action: Callable[[], None]) -> None:
         self._watchdog = watchdog
         self._action = action
-        self._watch_generation = 0
+        self.watchdog_generation = 0
 
-    def _due(self) -> None:
+    def on_watchdog(self) -> None:
         self._watchdog._timers.discard(self)
         try:
             self._action()
@@ -248,7 +256,7 @@ class _Timer:
 
 def _live(entry: _Entry) -> bool:
     held = entry[2]()
-    return held is not None and held._watch_generation == entry[3]
+    return held is not None and held.watchdog_generation == entry[3]
 
 
 watchdog = Watchdog()

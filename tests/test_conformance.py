@@ -30,7 +30,7 @@ from django_dlock import (
     lock,
     locks,
 )
-from django_dlock.backends.base import BaseLockBackend
+from django_dlock.backends.base import Attempt, BaseLockBackend
 from django_dlock.signals import lock_acquired, lock_broken, lock_lost, lock_released
 
 # Leases that must expire during a test are this short (or the backend's
@@ -505,18 +505,16 @@ def test_waiting_does_not_spin(
     backend_alias: str, backend: BaseLockBackend, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     attempts = 0
-    original = type(backend).do_acquire
+    original = backend.attempt_class.try_acquire
 
-    def counting(
-        self: BaseLockBackend, n: str, owner: str, ttl: float, holder: str, **kwargs: Any
-    ) -> Any:
+    def counting(self: Attempt) -> Any:
         nonlocal attempts
-        if n == name:
+        if self.name == name:
             attempts += 1
-        return original(self, n, owner, ttl, holder, **kwargs)
+        return original(self)
 
     with lock(name, backend=backend_alias):
-        monkeypatch.setattr(type(backend), "do_acquire", counting)
+        monkeypatch.setattr(backend.attempt_class, "try_acquire", counting)
         with pytest.raises(LockTimeout):
             lock(name, backend=backend_alias, timeout=1.0).acquire()
     # A busy loop makes thousands of attempts a second. Backing off (2 ms
@@ -663,10 +661,12 @@ def test_concurrent_adopters_of_one_ticket_one_wins(backend: BaseLockBackend, na
 
 def test_a_long_wait_backs_off_without_overflowing(backend: BaseLockBackend, name: str) -> None:
     """About 77 s of 0.1 s waits is attempt 1024, where 2.0 ** attempt overflowed."""
-    from django_dlock._validation import new_owner
+    from django_dlock._validation import holder_metadata, new_owner
 
-    for attempt in (1023, 1024, 5000, 10**9):
-        backend.wait(name, new_owner(), 0.001, attempt)
+    attempt = backend.attempt(name, new_owner(), 1.0, holder_metadata(1.0, None), False)
+    for waits in (1023, 1024, 5000, 10**9):
+        attempt.waits = waits
+        attempt.wait(0.001)
 
 
 @pytest.mark.parametrize(

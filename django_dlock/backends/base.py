@@ -2,10 +2,10 @@
 
 The base class owns everything that must behave the same on every backend:
 validating settings, owner tokens, deadlines on ``time.monotonic()``, the
-blocking loop, holder metadata, signals and the watchdog (through
-:class:`~django_dlock.lock.HeldLock`). A backend implements only atomic,
-single-attempt primitives, as redis-py's ``Lock.acquire`` delegates to
-``do_acquire``:
+blocking loop (:class:`~.attempts.Attempt`), holder metadata, signals and the
+watchdog (through :class:`~django_dlock.handle.HeldLock`). A backend implements
+only atomic, single-step primitives, as redis-py's ``Lock.acquire`` delegates
+to ``do_acquire``; ``docs/development.md`` walks through writing one.
 
 ``do_acquire(name, owner, ttl, holder, renew=True)``
     One atomic attempt. If the lock is free or its lease has expired by the
@@ -25,7 +25,7 @@ single-attempt primitives, as redis-py's ``Lock.acquire`` delegates to
     ``token`` when that is not None; return whether a lease was deleted.
 ``do_list(prefix)``
     The live leases whose names start with ``prefix``.
-``ado_acquire`` / ``ado_release`` / ``ado_extend`` / ``ado_check`` / ``ado_abandon`` / ``await_``
+``ado_release`` / ``ado_extend`` / ``ado_check``
     The same, awaitable, for the async API. The defaults run the sync
     primitive in a worker thread; a backend that sets ``native_async`` talks
     to the service from the event loop (Redis on one server).
@@ -34,12 +34,12 @@ single-attempt primitives, as redis-py's ``Lock.acquire`` delegates to
     (``"Redis 7.0.15"``) and warnings about parts of it that did not answer
     although locking still works (a Redlock master). Raise
     ``BackendUnavailable`` if it cannot lock.
-``wait(name, owner, remaining, attempt)``
-    Block until the lock may have become free, at most ``remaining`` seconds.
-    The default backs off with jitter; backends that can be woken override it.
-``do_abandon(name, owner)``
-    The waiter ``owner`` gives up (timeout or error): leave any queue it
-    joined. The default does nothing.
+``attempt_class``
+    The :class:`~.attempts.Attempt` that one acquisition makes: its
+    ``try_acquire()`` calls ``do_acquire``, its ``wait(remaining)`` backs off
+    with jitter and its ``abandon()`` does nothing. A backend that can wake a
+    waiter, or queues waiters, subclasses it and keeps what one acquisition
+    learns on that object (with ``native_async``, also its awaitable twins).
 ``do_detach(name, owner)`` / ``do_adopt(name, owner, new_owner, ttl, state)``
     Hand a held lease to another process: ``do_detach`` forgets it here
     without releasing it and returns what another process needs to keep it
@@ -62,12 +62,8 @@ import asyncio
 import contextvars
 import functools
 import logging
-import random
-import threading
 import time
-from collections.abc import Awaitable, Callable, Generator, Mapping
-from dataclasses import dataclass, field
-from datetime import datetime
+from collections.abc import Mapping
 from operator import attrgetter
 from typing import Any, ClassVar
 
@@ -82,101 +78,39 @@ from .._validation import (
     validate_ttl,
 )
 from ..exceptions import (
-    BackendUnavailable,
     InvalidLockOption,
     InvalidTTL,
     LockConfigurationError,
     LockNotOwned,
-    LockTimeout,
 )
-from ..lock import TICKET_VERSION, HeldLock, Lock
+from ..handle import HeldLock, Ticket
+from ..lock import Lock
 from ..signals import lock_broken
+from .attempts import (
+    BACKOFF_CEILING,
+    OUTAGE_BACKOFF_CEILING,
+    Attempt,
+    Handoff,
+    backoff,
+    outage_backoff,
+    release_unwanted,
+    retrieve_outcome,
+)
+from .types import Grant, LockInfo, ServerStatus
+
+__all__ = [
+    "BACKOFF_CEILING",
+    "OUTAGE_BACKOFF_CEILING",
+    "Attempt",
+    "BaseLockBackend",
+    "Grant",
+    "LockInfo",
+    "ServerStatus",
+    "backoff",
+    "outage_backoff",
+]
 
 logger = logging.getLogger("django_dlock")
-
-#: Backoff of the default ``wait()``: first sleep, growth factor and ceiling (seconds).
-BACKOFF_FIRST = 0.002
-BACKOFF_FACTOR = 2.0
-BACKOFF_CEILING = 0.1
-
-
-def backoff(attempt: int, ceiling: float = BACKOFF_CEILING) -> float:
-    """The jittered sleep before retry ``attempt`` (0, 1, ...): doubling up to ``ceiling``.
-
-    The exponent stops growing long after any ceiling is reached: ``2.0 **
-    1024`` overflows a float, which a waiter reached after about 77 s of 0.1 s
-    sleeps.
-    """
-    ceiling = min(ceiling, BACKOFF_FIRST * BACKOFF_FACTOR ** min(attempt, _MAX_DOUBLINGS))
-    return random.uniform(ceiling / 2, ceiling)
-
-
-def outage_backoff(retry: int) -> float:
-    """The jittered sleep before retry ``retry`` while the service is down.
-
-    The waiting backoff, growing on to OUTAGE_BACKOFF_CEILING: many waiters
-    must not reconnect ten times a second each to a server that is coming
-    back up (each retry may also release its unknown attempt).
-    """
-    return backoff(retry, OUTAGE_BACKOFF_CEILING)
-
-
-#: Longest sleep between retries while the lock service is down, seconds.
-OUTAGE_BACKOFF_CEILING = 1.0
-# More doublings than any ceiling needs (0.002 * 2**64 is about 3.7e16 s).
-_MAX_DOUBLINGS = 64
-
-#: An acquire with no timeout that rides out an outage says so this often (seconds).
-OUTAGE_LOG_EVERY = 30.0
-
-
-@dataclass(frozen=True)
-class Grant:
-    """A lease whose start the backend knows better than "when the attempt was sent".
-
-    ``expires`` is a ``time.monotonic()`` instant no later than the lease's
-    end, and ``lease`` its length in seconds (it may be shorter than the TTL
-    asked for; the watchdog then extends it).
-    """
-
-    token: int
-    expires: float
-    lease: float
-
-
-@dataclass(frozen=True)
-class LockInfo:
-    """One live lease, as listed by ``locks[alias].list()``.
-
-    ``acquired_at`` and ``expires_at`` come from the lock service's clock;
-    ``expires_in`` is the seconds left by that clock when the list was taken.
-    ``_holder_json`` is the stored text ``holder`` was parsed from, when the
-    backend has it: ``manage.py locks --json`` copies it instead of encoding
-    ``holder`` again.
-    """
-
-    backend: str
-    name: str
-    token: int
-    holder: dict[str, Any] = field(hash=False)
-    acquired_at: datetime
-    expires_at: datetime
-    expires_in: float
-    _holder_json: str | None = field(default=None, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class ServerStatus:
-    """What ``locks[alias].ping()`` found: the service answered in ``latency`` seconds.
-
-    ``warnings`` name the parts of it that did not answer although it can
-    still lock (a Redlock master that is down).
-    """
-
-    backend: str
-    version: str
-    latency: float
-    warnings: tuple[str, ...] = ()
 
 
 class BaseLockBackend:
@@ -201,6 +135,8 @@ class BaseLockBackend:
     #: Do its statements run on Django's database connections (which a
     #: rollback is still resetting when the callbacks it drops are freed)?
     uses_django_connections: ClassVar[bool] = False
+    #: What one acquisition makes: try, wait, give up (see ``attempts.py``).
+    attempt_class: ClassVar[type[Attempt]] = Attempt
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
     allowed_options: ClassVar[frozenset[str]] = frozenset()
 
@@ -287,9 +223,6 @@ class BaseLockBackend:
     def do_list(self, prefix: str) -> list[LockInfo]:
         raise NotImplementedError
 
-    def do_abandon(self, name: str, owner: str) -> None:
-        """Leave whatever queue ``owner`` joined while waiting for ``name``."""
-
     def do_detach(self, name: str, owner: str) -> Any:
         """Forget ``owner``'s lease here without releasing it; return what adopting needs."""
         return None
@@ -300,11 +233,6 @@ class BaseLockBackend:
     def do_release_ticket(self, name: str, owner: str, state: Any) -> bool:
         """Release a lease ``do_detach`` handed over, if ``owner`` still holds it."""
         return self.do_release(name, owner)
-
-    def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
-        """Sleep an exponentially growing, jittered interval, never past the deadline."""
-        delay = backoff(attempt)
-        time.sleep(delay if remaining is None else min(delay, remaining))
 
     def check(self) -> list[CheckMessage]:
         """Backend-specific system check messages (static: no network)."""
@@ -329,21 +257,6 @@ class BaseLockBackend:
 
     async def ado_check(self, name: str, owner: str) -> bool:
         return await asyncio.to_thread(self.do_check, name, owner)
-
-    # With native_async, _aacquire drives the acquire loop with these; a
-    # backend that sets it provides all three (the sync loop's per-thread
-    # state would not survive one worker thread per call).
-
-    async def ado_acquire(
-        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
-    ) -> int | Grant | None:
-        raise NotImplementedError
-
-    async def ado_abandon(self, name: str, owner: str) -> None:
-        raise NotImplementedError
-
-    async def await_(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
-        raise NotImplementedError
 
     # --- public API -----------------------------------------------------------------
 
@@ -373,196 +286,29 @@ class BaseLockBackend:
             renew,
         )
 
-    def _acquisition(
+    async def aacquire(
         self,
         name: str,
-        owner: str,
-        ttl: float,
-        holder: tuple[dict[str, Any], str],
-        timeout: float | None,
-        deadline: float | None,
-        renew: bool,
-        refused: bool,
-    ) -> Generator[tuple[str, tuple[Any, ...], dict[str, Any]], Any, HeldLock]:
-        """The blocking loop of ``acquire()``, without its I/O.
-
-        It yields ``(primitive, args, kwargs)`` for each call to the lock service
-        ("acquire", "wait", "abandon", "release") and for a pause ("sleep"),
-        and is sent each call's result or thrown its exception. ``_acquire``
-        drives it with the sync primitives once its first attempt was refused
-        (``refused``) or failed, and ``_aacquire`` with the awaitable ones from
-        the start, so both share one loop.
-
-        An outage is ridden out: a :class:`BackendUnavailable` from a call is
-        retried after a backoff sleep until the deadline, and then raised
-        (not ``LockTimeout``: the caller should learn the service was down),
-        unless it is not ``transient`` (a wrong password), which is raised at
-        once. ``timeout=0`` has no time to retry in. With no deadline the
-        outage is logged as a warning when it starts and every OUTAGE_LOG_EVERY
-        seconds while it lasts, so that a waiter hanging on it shows.
-        """
-        attempt = 0
-        # True while an attempt is out whose outcome we may never learn: sent,
-        # then a timeout, a lost connection or a cancelled task. The service
-        # may have granted it; nobody would hold that lease until its TTL ran
-        # out, so it is released (owner-checked) before the next attempt or on
-        # the way out.
-        unknown = False
-        # The outage being ridden out: its latest error, when it began, how
-        # many backoff sleeps it has had, and when it was last logged.
-        failure: BackendUnavailable | None = None
-        down_since = 0.0
-        logged: float | None = None
-        retries = 0
-        try:
-            while True:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0 and (refused or failure):
-                    if failure is None:
-                        raise LockTimeout(
-                            f"Could not acquire lock {name!r} on backend {self.alias!r} "
-                            f"within {timeout:g}s.",
-                            name=name,
-                            backend=self.alias,
-                        )
-                    if not retries:
-                        raise failure  # no time to retry in (timeout=0)
-                    raise BackendUnavailable(
-                        f"{failure} (retried for {time.monotonic() - down_since:.1f}s, until "
-                        f"the acquire timeout of {timeout:g}s ran out)",
-                        name=failure.name or name,
-                        backend=failure.backend or self.alias,
-                    ) from failure
-                try:
-                    if failure is not None:
-                        delay = outage_backoff(retries)
-                        yield (
-                            "sleep",
-                            (delay if remaining is None else min(delay, remaining),),
-                            {},
-                        )
-                        retries += 1
-                        if unknown:
-                            # The failed attempt may have been granted. Were it
-                            # left, the next attempt would wait for our own
-                            # lease (the database refuses an owner's second
-                            # attempt), so it goes first; if the service is
-                            # still down this fails, and is tried again.
-                            yield ("abandon", (name, owner), {})
-                            yield ("release", (name, owner), {})
-                            unknown = False
-                    elif refused:
-                        yield ("wait", (name, owner, remaining, attempt), {})
-                        attempt += 1
-                    sent = time.monotonic()
-                    unknown = True
-                    result = yield ("acquire", (name, owner, ttl, holder[1]), {"renew": renew})
-                    unknown = False
-                except BackendUnavailable as e:
-                    if not e.transient:
-                        raise
-                    now = time.monotonic()
-                    if failure is None:
-                        down_since = now
-                    if deadline is None and (logged is None or now - logged >= OUTAGE_LOG_EVERY):
-                        logged = now
-                        logger.warning(
-                            "Lock backend %r unavailable for %.0fs while acquiring %r; "
-                            "retrying until it answers (no timeout): %s",
-                            self.alias,
-                            now - down_since,
-                            name,
-                            e,
-                        )
-                    failure = e
-                    continue
-                if failure is not None:
-                    if logged is not None:
-                        logger.info(
-                            "Lock backend %r answers again after %.1fs; acquiring %r goes on",
-                            self.alias,
-                            time.monotonic() - down_since,
-                            name,
-                        )
-                    failure, retries, logged = None, 0, None
-                if result is not None:
-                    if not self._arrived_late(name, result, sent, ttl):
-                        try:
-                            held = self._handle_for(
-                                name, owner, ttl, holder[0], renew, result, sent
-                            )
-                        except LockNotOwned:
-                            # A short first lease (a hand-over) ran out before
-                            # it could be extended to the TTL: not ours after
-                            # all, so wait again (the holder that follows
-                            # counts as refusing us).
-                            result = None
-                            refused = True
-                            continue
-                        break
-                    # Granted, but the reply came after the lease ran out by
-                    # our clock: someone else may hold the lock by now. Give
-                    # it back (owner-checked) and go on as if refused.
-                    try:
-                        yield ("release", (name, owner), {})
-                    except Exception:
-                        logger.debug("Could not release a late grant of %r", name)
-                    result = None
-                refused = True
-        except BaseException as e:
-            # An error that says the attempt took no effect is not unknown.
-            # Nor is one the service refuses every time (a wrong password,
-            # a TTL out of range): it was refused, not lost on the way.
-            known = getattr(e, "outcome_known", False) or getattr(e, "transient", True) is False
-            unknown = unknown and not known
-            for step, needed in (("abandon", refused or unknown), ("release", unknown)):
-                if not needed:
-                    continue
-                try:
-                    yield (step, (name, owner), {})
-                except Exception:
-                    # The lease or queue entry expires on its own; the caller's
-                    # error matters more.
-                    logger.warning("Could not %s the attempt on %r on %r", step, name, self.alias)
-            raise
-        return held
-
-    def _arrived_late(self, name: str, result: int | Grant, sent: float, ttl: float) -> bool:
-        """Did the grant's reply come after its lease had run out by our clock?
-
-        A reply held up by the network longer than the TTL (the chaos run's
-        black hole) grants a lease that is gone: handing it to the caller
-        would let two holders believe they hold the lock.
-        """
-        if isinstance(result, Grant):
-            expires, lease = result.expires, result.lease
-        else:
-            expires, lease = sent + ttl, ttl
-        if expires - self.drift(lease) > time.monotonic():
-            return False
-        logger.warning(
-            "A grant of %r on %r came back after its lease had run out; trying again",
-            name,
-            self.alias,
-        )
-        return True
-
-    def _handle_for(
-        self,
-        name: str,
-        owner: str,
-        ttl: float,
-        holder: dict[str, Any],
-        renew: bool,
-        result: int | Grant,
-        sent: float,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        renew: bool = True,
     ) -> HeldLock:
-        """The handle for a granted attempt sent at ``sent``."""
-        if isinstance(result, Grant):
-            token, expires, lease = result.token, result.expires, result.lease
-        else:
-            token, expires, lease = result, sent + ttl, ttl
-        return HeldLock._granted(self, name, owner, token, ttl, expires, lease, holder, renew)
+        """:meth:`acquire`, awaited: with ``native_async``, no blocking call."""
+        return await self._aacquire(
+            validate_name(name),
+            None if ttl is None else validate_ttl(ttl),
+            validate_timeout(timeout),
+            metadata,
+            renew,
+        )
+
+    def attempt(
+        self, name: str, owner: str, ttl: float, holder: tuple[dict[str, Any], str], renew: bool
+    ) -> Attempt:
+        """A new :class:`~.attempts.Attempt` of this backend's ``attempt_class``."""
+        return self.attempt_class(self, name, owner, ttl, holder, renew)
 
     def _acquire(
         self,
@@ -572,61 +318,12 @@ class BaseLockBackend:
         metadata: Mapping[str, Any] | None,
         renew: bool,
     ) -> HeldLock:
-        """``acquire()`` with arguments already validated (``Lock`` checks them once)."""
+        """``acquire()`` with its arguments validated."""
         if ttl is None:
             ttl = self.default_ttl
-        owner = new_owner()
-        holder = holder_metadata(ttl, metadata)
         deadline = None if timeout is None else time.monotonic() + timeout
-        sent = time.monotonic()
-        try:
-            result = self.do_acquire(name, owner, ttl, holder[1], renew=renew)
-        except BaseException as e:
-            # Its outcome is unknown: the loop, at this same attempt, gives it up.
-            steps = self._acquisition(name, owner, ttl, holder, timeout, deadline, renew, False)
-            next(steps)
-            return self._drive(steps, e)
-        if result is not None:  # the uncontended case: no loop to drive
-            if not self._arrived_late(name, result, sent, ttl):
-                try:
-                    return self._handle_for(name, owner, ttl, holder[0], renew, result, sent)
-                except LockNotOwned:
-                    pass  # its short first lease ran out: wait, as in _acquisition
-            else:
-                try:
-                    self.do_release(name, owner)  # as in _acquisition
-                except Exception:
-                    logger.debug("Could not release a late grant of %r", name)
-        steps = self._acquisition(name, owner, ttl, holder, timeout, deadline, renew, True)
-        return self._drive(steps, None, next(steps))
-
-    def _drive(
-        self,
-        steps: Generator[tuple[str, tuple[Any, ...], dict[str, Any]], Any, HeldLock],
-        error: BaseException | None,
-        step: Any = None,
-    ) -> HeldLock:
-        """Run the acquire loop on the sync primitives, from ``step`` or by throwing ``error``."""
-        primitives: dict[str, Callable[..., Any]] = {
-            "acquire": self.do_acquire,
-            "wait": self.wait,
-            "abandon": self.do_abandon,
-            "release": self.do_release,
-            "sleep": time.sleep,
-        }
-        done = False
-        if error is not None:
-            done, step = _advance(steps, error=error)
-        while not done:
-            kind, args, kwargs = step
-            try:
-                result = primitives[kind](*args, **kwargs)
-            except BaseException as e:
-                done, step = _advance(steps, error=e)
-            else:
-                done, step = _advance(steps, result)
-        held: HeldLock = step
-        return held
+        attempt = self.attempt(name, new_owner(), ttl, holder_metadata(ttl, metadata), renew)
+        return attempt.run(timeout, deadline)
 
     async def _aacquire(
         self,
@@ -636,11 +333,12 @@ class BaseLockBackend:
         metadata: Mapping[str, Any] | None,
         renew: bool,
     ) -> HeldLock:
-        """``_acquire`` with the awaitable primitives (``ado_acquire``, ``await_``, ...)."""
+        """``aacquire()`` with its arguments validated."""
         if not self.native_async:
-            # One worker thread for the whole acquisition, as the sync
-            # primitives keep a refused attempt's state per thread.
-            handoff = _Handoff()
+            # The whole acquisition in one worker thread: if the caller stops
+            # waiting, the thread's attempt finishes there, and whoever comes
+            # second (the thread or the caller) releases what it got.
+            handoff = Handoff()
 
             def acquire() -> HeldLock:
                 return handoff.deliver(self._acquire(name, ttl, timeout, metadata, renew))
@@ -651,39 +349,14 @@ class BaseLockBackend:
             try:
                 return await asyncio.shield(acquiring)
             except asyncio.CancelledError:
-                # The thread goes on, and may be granted the lock after the
-                # caller stopped waiting: whoever comes second releases it.
                 release = handoff.abandon()
-                acquiring.add_done_callback(_release_unwanted if release else _retrieve_outcome)
+                acquiring.add_done_callback(release_unwanted if release else retrieve_outcome)
                 raise
         if ttl is None:
             ttl = self.default_ttl
         deadline = None if timeout is None else time.monotonic() + timeout
-        holder = holder_metadata(ttl, metadata)
-        steps = self._acquisition(name, new_owner(), ttl, holder, timeout, deadline, renew, False)
-        primitives: dict[str, Callable[..., Awaitable[Any]]] = {
-            "acquire": self.ado_acquire,
-            "wait": self.await_,
-            "abandon": self.ado_abandon,
-            "release": self.ado_release,
-            "sleep": asyncio.sleep,
-        }
-        step: Any
-        done, step = False, next(steps)
-        while not done:
-            kind, args, kwargs = step
-            try:
-                result = await primitives[kind](*args, **kwargs)
-                if kind in ("acquire", "wait") and _cancelling():
-                    # redis-py's asyncio BLPOP can swallow a cancellation
-                    # (redis/redis-py#2028): honour it here.
-                    raise asyncio.CancelledError
-            except BaseException as e:
-                done, step = _advance(steps, error=e)
-            else:
-                done, step = _advance(steps, result)
-        held: HeldLock = step
-        return held
+        attempt = self.attempt(name, new_owner(), ttl, holder_metadata(ttl, metadata), renew)
+        return await attempt.arun(timeout, deadline)
 
     def adopt(
         self,
@@ -711,7 +384,10 @@ class BaseLockBackend:
                 name=name,
                 backend=self.alias,
             )
-        return HeldLock._granted(self, name, adopter, token, ttl, sent + ttl, ttl, holder, renew)
+        return HeldLock(
+            self, name, adopter, token,
+            ttl=ttl, expires=sent + ttl, lease=ttl, holder=holder, renew=renew,
+        )  # fmt: skip
 
     def release_ticket(self, ticket: Mapping[str, Any]) -> bool:
         """Release a lease that :meth:`HeldLock.detach` handed over, without adopting it.
@@ -729,22 +405,8 @@ class BaseLockBackend:
         self, ticket: Mapping[str, Any]
     ) -> tuple[str, str, int, float, dict[str, Any], Any]:
         """A ticket's name, owner, token, TTL, holder and backend state; ValueError if bad."""
-        if not isinstance(ticket, Mapping) or ticket.get("v") != TICKET_VERSION:
-            raise ValueError(f"Not a django-dlock lease ticket: {ticket!r}.")
-        if ticket.get("backend") != self.alias:
-            raise ValueError(
-                f"The ticket is for lock backend {ticket.get('backend')!r}, not {self.alias!r}."
-            )
-        try:
-            name = validate_name(ticket["name"])
-            owner, token = ticket["owner"], int(ticket["token"])
-            held_ttl = validate_ttl(ticket["ttl"])
-            holder = dict(ticket.get("holder") or {})
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"Malformed django-dlock lease ticket {ticket!r}: {e}") from e
-        if not isinstance(owner, str) or not owner:
-            raise ValueError(f"Malformed django-dlock lease ticket {ticket!r}: no owner.")
-        return name, owner, token, held_ttl, holder, ticket.get("state")
+        t = Ticket.parse(ticket, self.alias)
+        return t.name, t.owner, t.token, t.ttl, t.holder, t.state
 
     def drift(self, ttl: float) -> float:
         """Seconds of a ``ttl`` lease that a holder must not count on.
@@ -793,63 +455,3 @@ class BaseLockBackend:
         started = time.monotonic()
         version, warnings = self.do_ping()
         return ServerStatus(self.alias, version, time.monotonic() - started, warnings)
-
-
-class _Handoff:
-    """Between an async acquire's worker thread and a caller that may stop waiting.
-
-    Either the thread delivers the handle before the caller abandons it (then
-    the caller's side releases it once the thread's result arrives), or the
-    caller abandons first (then the thread releases what it gets).
-    """
-
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._abandoned = False
-        self._delivered = False
-
-    def deliver(self, held: HeldLock) -> HeldLock:
-        with self._mutex:
-            self._delivered = not self._abandoned
-        if not self._delivered:
-            held._release_quietly()
-        return held
-
-    def abandon(self) -> bool:
-        """Mark the result unwanted; True if it was delivered already (the caller releases)."""
-        with self._mutex:
-            self._abandoned = True
-            return self._delivered
-
-
-def _cancelling() -> bool:
-    """Whether the current task has a cancellation pending (Python 3.11+; else False)."""
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return bool(cancelling()) if cancelling is not None else False
-
-
-def _retrieve_outcome(acquiring: asyncio.Future[HeldLock]) -> None:
-    """Take the thread's exception, if any, so asyncio does not report it as unseen."""
-    if not acquiring.cancelled():
-        acquiring.exception()
-
-
-def _release_unwanted(acquiring: asyncio.Future[HeldLock]) -> None:
-    """Release a delivered handle whose caller stopped waiting (off the event loop)."""
-    if acquiring.cancelled() or acquiring.exception() is not None:
-        return
-    held = acquiring.result()
-    threading.Thread(
-        target=held._release_quietly, name="django-dlock-unwanted", daemon=True
-    ).start()
-
-
-def _advance(
-    steps: Generator[Any, Any, Any], result: Any = None, error: BaseException | None = None
-) -> tuple[bool, Any]:
-    """Send ``result`` (or throw ``error``) into ``steps``: (finished, its value or next step)."""
-    try:
-        return False, (steps.throw(error) if error is not None else steps.send(result))
-    except StopIteration as finished:
-        return True, finished.value

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._validation import load_holder, micros_to_datetime
-from .base import BaseLockBackend, LockInfo
+from .base import Attempt, BaseLockBackend, LockInfo
 
 
 @dataclass
@@ -48,8 +48,28 @@ def _store(location: str) -> _Store:
         return _stores.setdefault(location, _Store())
 
 
+class LocMemAttempt(Attempt):
+    """Waits on the store's condition, which every release and break notifies."""
+
+    backend: LocMemBackend
+
+    def wait(self, remaining: float | None) -> None:
+        """Sleep until a release or break is signalled, or the holder's lease runs out."""
+        backend = self.backend
+        with backend._store.cond:
+            now = time.monotonic()
+            lease = backend._live(backend._key(self.name), now)
+            if lease is None:
+                return
+            until_expiry = lease.expires - now
+            backend._store.cond.wait(
+                until_expiry if remaining is None else min(remaining, until_expiry)
+            )
+
+
 class LocMemBackend(BaseLockBackend):
     wakes_waiters = True
+    attempt_class = LocMemAttempt
     shared_across_processes = False
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
@@ -151,15 +171,3 @@ class LocMemBackend(BaseLockBackend):
                     )
                 )
         return infos
-
-    def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
-        """Sleep until a release or break is signalled, or the holder's lease runs out."""
-        with self._store.cond:
-            now = time.monotonic()
-            lease = self._live(self._key(name), now)
-            if lease is None:
-                return
-            until_expiry = lease.expires - now
-            self._store.cond.wait(
-                until_expiry if remaining is None else min(remaining, until_expiry)
-            )

@@ -1,0 +1,456 @@
+"""One acquisition, from its first try to a grant, a timeout or an error: :class:`Attempt`.
+
+``locks[alias].acquire(name)`` makes one :class:`Attempt` and runs it. The
+attempt holds everything that acquisition learns while it waits (how often it
+was refused, the queue it joined, a lease handed to it), so a backend's
+primitives need no per-thread or per-task state: the same object serves the
+sync loop and the asyncio one.
+
+A backend writes the primitives; the loop is here, once:
+
+``try_acquire()``
+    One atomic attempt: a fencing token, a :class:`~.types.Grant`, or None
+    if refused. The default calls the backend's ``do_acquire``.
+``wait(remaining)``
+    Block until the lock may have become free, at most ``remaining`` seconds
+    (None: no deadline). The default backs off, doubling with jitter from
+    2 ms to 100 ms; backends that can be woken override it.
+``abandon()``
+    The acquisition gives up (timeout, error, cancellation): leave any queue
+    it joined. The default does nothing.
+``release()``
+    Release, owner-checked, a lease this attempt may have been granted
+    without hearing so (an unknown outcome). The default calls ``do_release``.
+``atry_acquire()`` / ``await_(remaining)`` / ``aabandon()`` / ``arelease()``
+    The same, awaitable. They are used only by a backend whose
+    ``native_async`` is true, which overrides them; otherwise an async
+    acquire runs the sync loop in one worker thread (a cancelled caller's
+    attempt then finishes there, and whatever it got is released).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Generator
+from typing import TYPE_CHECKING, Any
+
+from ..exceptions import BackendUnavailable, LockNotOwned, LockTimeout
+from ..handle import HeldLock
+from .types import Grant
+
+if TYPE_CHECKING:
+    from .base import BaseLockBackend
+
+logger = logging.getLogger("django_dlock")
+
+#: Backoff of the default ``wait()``: first sleep, growth factor and ceiling (seconds).
+BACKOFF_FIRST = 0.002
+BACKOFF_FACTOR = 2.0
+BACKOFF_CEILING = 0.1
+
+#: Longest sleep between retries while the lock service is down, seconds.
+OUTAGE_BACKOFF_CEILING = 1.0
+# More doublings than any ceiling needs (0.002 * 2**64 is about 3.7e16 s).
+_MAX_DOUBLINGS = 64
+
+#: An acquire with no timeout that rides out an outage says so this often (seconds).
+OUTAGE_LOG_EVERY = 30.0
+
+#: A step of the loop: ("acquire" | "wait" | "abandon" | "release" | "sleep", arguments).
+Step = tuple[str, tuple[Any, ...]]
+
+
+def backoff(attempt: int, ceiling: float = BACKOFF_CEILING) -> float:
+    """The jittered sleep before retry ``attempt`` (0, 1, ...): doubling up to ``ceiling``.
+
+    The exponent stops growing long after any ceiling is reached: ``2.0 **
+    1024`` overflows a float, which a waiter reached after about 77 s of 0.1 s
+    sleeps.
+    """
+    ceiling = min(ceiling, BACKOFF_FIRST * BACKOFF_FACTOR ** min(attempt, _MAX_DOUBLINGS))
+    return random.uniform(ceiling / 2, ceiling)
+
+
+def outage_backoff(retry: int) -> float:
+    """The jittered sleep before retry ``retry`` while the service is down.
+
+    The waiting backoff, growing on to OUTAGE_BACKOFF_CEILING: many waiters
+    must not reconnect ten times a second each to a server that is coming
+    back up (each retry may also release its unknown attempt).
+    """
+    return backoff(retry, OUTAGE_BACKOFF_CEILING)
+
+
+class Attempt:
+    """One acquisition of ``name`` by ``owner``; see the module docstring.
+
+    ``holder`` is the holder metadata and its JSON text; ``waits`` counts the
+    calls to :meth:`wait` so far (the default backoff's exponent).
+    """
+
+    def __init__(
+        self,
+        backend: BaseLockBackend,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: tuple[dict[str, Any], str],
+        renew: bool,
+    ) -> None:
+        self.backend = backend
+        self.alias = backend.alias
+        self.name = name
+        self.owner = owner
+        self.ttl = ttl
+        self.holder = holder
+        self.renew = renew
+        self.waits = 0
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} on {self.alias!r}>"
+
+    # --- the primitives a backend may override ------------------------------------------
+
+    def try_acquire(self) -> int | Grant | None:
+        return self.backend.do_acquire(
+            self.name, self.owner, self.ttl, self.holder[1], renew=self.renew
+        )
+
+    def wait(self, remaining: float | None) -> None:
+        """Sleep an exponentially growing, jittered interval, never past the deadline."""
+        delay = backoff(self.waits)
+        self.waits += 1
+        time.sleep(delay if remaining is None else min(delay, remaining))
+
+    def abandon(self) -> None:
+        """Leave whatever queue this attempt joined."""
+
+    def release(self) -> bool:
+        return self.backend.do_release(self.name, self.owner)
+
+    async def atry_acquire(self) -> int | Grant | None:
+        return await asyncio.to_thread(self.try_acquire)
+
+    async def await_(self, remaining: float | None) -> None:
+        await asyncio.to_thread(self.wait, remaining)
+
+    async def aabandon(self) -> None:
+        await asyncio.to_thread(self.abandon)
+
+    async def arelease(self) -> bool:
+        return await self.backend.ado_release(self.name, self.owner)
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def run(self, timeout: float | None, deadline: float | None) -> HeldLock:
+        """Acquire: one try, then the loop on the sync primitives if it was refused."""
+        sent = time.monotonic()
+        try:
+            result = self.try_acquire()
+        except BaseException as e:
+            # Its outcome is unknown: the loop, at this same attempt, gives it up.
+            steps = self._steps(timeout, deadline, refused=False)
+            next(steps)
+            return self._drive(steps, e)
+        if result is not None:  # the uncontended case: no loop to drive
+            if not self._arrived_late(result, sent):
+                try:
+                    return self._handle(result, sent)
+                except LockNotOwned:
+                    pass  # its short first lease ran out: wait, as in _steps
+            else:
+                try:
+                    self.release()  # as in _steps
+                except Exception:
+                    logger.debug("Could not release a late grant of %r", self.name)
+        steps = self._steps(timeout, deadline, refused=True)
+        return self._drive(steps, None, next(steps))
+
+    async def arun(self, timeout: float | None, deadline: float | None) -> HeldLock:
+        """Acquire on the awaitable primitives (``native_async`` backends)."""
+        steps = self._steps(timeout, deadline, refused=False)
+        primitives: dict[str, Callable[..., Awaitable[Any]]] = {
+            "acquire": self.atry_acquire,
+            "wait": self.await_,
+            "abandon": self.aabandon,
+            "release": self.arelease,
+            "sleep": asyncio.sleep,
+        }
+        step: Any
+        done, step = False, next(steps)
+        while not done:
+            kind, args = step
+            try:
+                result = await primitives[kind](*args)
+                if kind in ("acquire", "wait") and _cancelling():
+                    # redis-py's asyncio BLPOP can swallow a cancellation
+                    # (redis/redis-py#2028): honour it here.
+                    raise asyncio.CancelledError
+            except BaseException as e:
+                done, step = _advance(steps, error=e)
+            else:
+                done, step = _advance(steps, result)
+        held: HeldLock = step
+        return held
+
+    def _drive(
+        self,
+        steps: Generator[Step, Any, HeldLock],
+        error: BaseException | None,
+        step: Any = None,
+    ) -> HeldLock:
+        """Run the loop on the sync primitives, from ``step`` or by throwing ``error``."""
+        primitives: dict[str, Callable[..., Any]] = {
+            "acquire": self.try_acquire,
+            "wait": self.wait,
+            "abandon": self.abandon,
+            "release": self.release,
+            "sleep": time.sleep,
+        }
+        done = False
+        if error is not None:
+            done, step = _advance(steps, error=error)
+        while not done:
+            kind, args = step
+            try:
+                result = primitives[kind](*args)
+            except BaseException as e:
+                done, step = _advance(steps, error=e)
+            else:
+                done, step = _advance(steps, result)
+        held: HeldLock = step
+        return held
+
+    def _steps(
+        self, timeout: float | None, deadline: float | None, refused: bool
+    ) -> Generator[Step, Any, HeldLock]:
+        """The blocking loop of ``acquire()``, without its I/O.
+
+        It yields ``(kind, arguments)`` for each call to the lock service
+        ("acquire", "wait" with the seconds left, "abandon", "release") and
+        for a pause ("sleep"), and is sent each call's result or thrown its
+        exception. :meth:`run` drives it with the sync primitives once its
+        first try was refused (``refused``) or failed, and :meth:`arun` with
+        the awaitable ones from the start, so both share one loop.
+
+        An outage is ridden out: a :class:`BackendUnavailable` from a call is
+        retried after a backoff sleep until the deadline, and then raised
+        (not ``LockTimeout``: the caller should learn the service was down),
+        unless it is not ``transient`` (a wrong password), which is raised at
+        once. ``timeout=0`` has no time to retry in. With no deadline the
+        outage is logged as a warning when it starts and every OUTAGE_LOG_EVERY
+        seconds while it lasts, so that a waiter hanging on it shows.
+        """
+        name, alias = self.name, self.alias
+        # True while an attempt is out whose outcome we may never learn: sent,
+        # then a timeout, a lost connection or a cancelled task. The service
+        # may have granted it; nobody would hold that lease until its TTL ran
+        # out, so it is released (owner-checked) before the next attempt or on
+        # the way out.
+        unknown = False
+        # The outage being ridden out: its latest error, when it began, how
+        # many backoff sleeps it has had, and when it was last logged.
+        failure: BackendUnavailable | None = None
+        down_since = 0.0
+        logged: float | None = None
+        retries = 0
+        try:
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0 and (refused or failure):
+                    if failure is None:
+                        raise LockTimeout(
+                            f"Could not acquire lock {name!r} on backend {alias!r} "
+                            f"within {timeout:g}s.",
+                            name=name,
+                            backend=alias,
+                        )
+                    if not retries:
+                        raise failure  # no time to retry in (timeout=0)
+                    raise BackendUnavailable(
+                        f"{failure} (retried for {time.monotonic() - down_since:.1f}s, until "
+                        f"the acquire timeout of {timeout:g}s ran out)",
+                        name=failure.name or name,
+                        backend=failure.backend or alias,
+                    ) from failure
+                try:
+                    if failure is not None:
+                        delay = outage_backoff(retries)
+                        yield ("sleep", (delay if remaining is None else min(delay, remaining),))
+                        retries += 1
+                        if unknown:
+                            # The failed attempt may have been granted. Were it
+                            # left, the next attempt would wait for our own
+                            # lease (the database refuses an owner's second
+                            # attempt), so it goes first; if the service is
+                            # still down this fails, and is tried again.
+                            yield ("abandon", ())
+                            yield ("release", ())
+                            unknown = False
+                    elif refused:
+                        yield ("wait", (remaining,))
+                    sent = time.monotonic()
+                    unknown = True
+                    result = yield ("acquire", ())
+                    unknown = False
+                except BackendUnavailable as e:
+                    if not e.transient:
+                        raise
+                    now = time.monotonic()
+                    if failure is None:
+                        down_since = now
+                    if deadline is None and (logged is None or now - logged >= OUTAGE_LOG_EVERY):
+                        logged = now
+                        logger.warning(
+                            "Lock backend %r unavailable for %.0fs while acquiring %r; "
+                            "retrying until it answers (no timeout): %s",
+                            alias,
+                            now - down_since,
+                            name,
+                            e,
+                        )
+                    failure = e
+                    continue
+                if failure is not None:
+                    if logged is not None:
+                        logger.info(
+                            "Lock backend %r answers again after %.1fs; acquiring %r goes on",
+                            alias,
+                            time.monotonic() - down_since,
+                            name,
+                        )
+                    failure, retries, logged = None, 0, None
+                if result is not None:
+                    if not self._arrived_late(result, sent):
+                        try:
+                            held = self._handle(result, sent)
+                        except LockNotOwned:
+                            # A short first lease (a hand-over) ran out before
+                            # it could be extended to the TTL: not ours after
+                            # all, so wait again (the holder that follows
+                            # counts as refusing us).
+                            result = None
+                            refused = True
+                            continue
+                        break
+                    # Granted, but the reply came after the lease ran out by
+                    # our clock: someone else may hold the lock by now. Give
+                    # it back (owner-checked) and go on as if refused.
+                    try:
+                        yield ("release", ())
+                    except Exception:
+                        logger.debug("Could not release a late grant of %r", name)
+                    result = None
+                refused = True
+        except BaseException as e:
+            # An error that says the attempt took no effect is not unknown.
+            # Nor is one the service refuses every time (a wrong password,
+            # a TTL out of range): it was refused, not lost on the way.
+            known = getattr(e, "outcome_known", False) or getattr(e, "transient", True) is False
+            unknown = unknown and not known
+            for step, needed in (("abandon", refused or unknown), ("release", unknown)):
+                if not needed:
+                    continue
+                try:
+                    yield (step, ())
+                except Exception:
+                    # The lease or queue entry expires on its own; the caller's
+                    # error matters more.
+                    logger.warning("Could not %s the attempt on %r on %r", step, name, alias)
+            raise
+        return held
+
+    def _arrived_late(self, result: int | Grant, sent: float) -> bool:
+        """Did the grant's reply come after its lease had run out by our clock?
+
+        A reply held up by the network longer than the TTL (the chaos run's
+        black hole) grants a lease that is gone: handing it to the caller
+        would let two holders believe they hold the lock.
+        """
+        if isinstance(result, Grant):
+            expires, lease = result.expires, result.lease
+        else:
+            expires, lease = sent + self.ttl, self.ttl
+        if expires - self.backend.drift(lease) > time.monotonic():
+            return False
+        logger.warning(
+            "A grant of %r on %r came back after its lease had run out; trying again",
+            self.name,
+            self.alias,
+        )
+        return True
+
+    def _handle(self, result: int | Grant, sent: float) -> HeldLock:
+        """The handle for a granted try sent at ``sent``."""
+        if isinstance(result, Grant):
+            token, expires, lease = result.token, result.expires, result.lease
+        else:
+            token, expires, lease = result, sent + self.ttl, self.ttl
+        return HeldLock(
+            self.backend, self.name, self.owner, token,
+            ttl=self.ttl, expires=expires, lease=lease, holder=self.holder[0], renew=self.renew,
+        )  # fmt: skip
+
+
+class Handoff:
+    """Between an async acquire's worker thread and a caller that may stop waiting.
+
+    Either the thread delivers the handle before the caller abandons it (then
+    the caller's side releases it once the thread's result arrives), or the
+    caller abandons first (then the thread releases what it gets).
+    """
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._abandoned = False
+        self._delivered = False
+
+    def deliver(self, held: HeldLock) -> HeldLock:
+        with self._mutex:
+            self._delivered = not self._abandoned
+        if not self._delivered:
+            held.release_quietly()
+        return held
+
+    def abandon(self) -> bool:
+        """Mark the result unwanted; True if it was delivered already (the caller releases)."""
+        with self._mutex:
+            self._abandoned = True
+            return self._delivered
+
+
+def retrieve_outcome(acquiring: asyncio.Future[HeldLock]) -> None:
+    """Take the thread's exception, if any, so asyncio does not report it as unseen."""
+    if not acquiring.cancelled():
+        acquiring.exception()
+
+
+def release_unwanted(acquiring: asyncio.Future[HeldLock]) -> None:
+    """Release a delivered handle whose caller stopped waiting (off the event loop)."""
+    if acquiring.cancelled() or acquiring.exception() is not None:
+        return
+    held = acquiring.result()
+    threading.Thread(
+        target=held.release_quietly, name="django-dlock-unwanted", daemon=True
+    ).start()
+
+
+def _cancelling() -> bool:
+    """Whether the current task has a cancellation pending (Python 3.11+; else False)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False
+
+
+def _advance(
+    steps: Generator[Any, Any, Any], result: Any = None, error: BaseException | None = None
+) -> tuple[bool, Any]:
+    """Send ``result`` (or throw ``error``) into ``steps``: (finished, its value or next step)."""
+    try:
+        return False, (steps.throw(error) if error is not None else steps.send(result))
+    except StopIteration as finished:
+        return True, finished.value

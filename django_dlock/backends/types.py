@@ -1,0 +1,56 @@
+"""What backends return: a :class:`Grant`, a :class:`LockInfo`, a :class:`ServerStatus`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A lease whose start the backend knows better than "when the attempt was sent".
+
+    ``expires`` is a ``time.monotonic()`` instant no later than the lease's
+    end, and ``lease`` its length in seconds (it may be shorter than the TTL
+    asked for; the watchdog then extends it).
+    """
+
+    token: int
+    expires: float
+    lease: float
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One live lease, as listed by ``locks[alias].list()``.
+
+    ``acquired_at`` and ``expires_at`` come from the lock service's clock;
+    ``expires_in`` is the seconds left by that clock when the list was taken.
+    ``_holder_json`` is the stored text ``holder`` was parsed from, when the
+    backend has it: ``manage.py locks --json`` copies it instead of encoding
+    ``holder`` again.
+    """
+
+    backend: str
+    name: str
+    token: int
+    holder: dict[str, Any] = field(hash=False)
+    acquired_at: datetime
+    expires_at: datetime
+    expires_in: float
+    _holder_json: str | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """What ``locks[alias].ping()`` found: the service answered in ``latency`` seconds.
+
+    ``warnings`` name the parts of it that did not answer although it can
+    still lock (a Redlock master that is down).
+    """
+
+    backend: str
+    version: str
+    latency: float
+    warnings: tuple[str, ...] = ()
