@@ -180,9 +180,16 @@ else:
     if REQUIRE_ALL:
         raise RuntimeError("DLOCK_REQUIRE_ALL_BACKENDS=1 but etcd is not installed")
 
+# The example backend of docs/development.md ("Write a backend").
+DLOCK_BACKENDS["example"] = {
+    "BACKEND": "tests.example_backend.SQLiteFileBackend",
+    "LOCATION": os.path.join(_TMP, "example-locks.sqlite3"),
+}
+
 #: conformance alias -> the DATABASES alias its tests need (None: no database)
 CONFORMANCE_BACKENDS = {
     "locmem": None,
+    "example": None,
     "db-sqlite": "default",
     "db-postgresql": "postgresql",
     "db-mysql": "mysql",

@@ -322,6 +322,7 @@ def test_break_refuses_a_token_that_is_not_an_int(
 # What each backend's ping names: the server it reached, and its version.
 PING_VERSIONS = {
     "locmem": r"^locmem ",
+    "example": r"^SQLite 3\.\d+",
     "db-sqlite": r"^SQLite 3\.\d+",
     "db-postgresql": r"^PostgreSQL \d+\.\d+",
     "db-mysql": r"^(MariaDB|MySQL) \d+\.\d+\.\d+",

@@ -72,12 +72,15 @@ from django.core.checks import CheckMessage
 from .. import conf
 from .._validation import (
     holder_metadata,
+    load_holder,
+    micros_to_datetime,
     new_owner,
     validate_name,
     validate_timeout,
     validate_ttl,
 )
 from ..exceptions import (
+    BackendUnavailable,
     InvalidLockOption,
     InvalidTTL,
     LockConfigurationError,
@@ -98,15 +101,19 @@ from .attempts import (
 )
 from .types import Grant, LockInfo, ServerStatus
 
+# What a backend module needs, from one place (docs/development.md).
 __all__ = [
     "BACKOFF_CEILING",
     "OUTAGE_BACKOFF_CEILING",
     "Attempt",
+    "BackendUnavailable",
     "BaseLockBackend",
     "Grant",
     "LockInfo",
     "ServerStatus",
     "backoff",
+    "load_holder",
+    "micros_to_datetime",
     "outage_backoff",
 ]
 
