@@ -25,7 +25,7 @@ from django.conf import settings
 from django.core import checks
 from django.test import override_settings
 
-from django_dlock import BackendUnavailable, HeldLock, LockTimeout, lock, locks
+from django_dlock import BackendUnavailable, HeldLock, LockNotOwned, LockTimeout, lock, locks
 from django_dlock.backends.etcd import EtcdBackend
 from django_dlock.checks import check_backends
 from django_dlock.exceptions import LockConfigurationError
@@ -136,6 +136,46 @@ def test_names_with_slashes_are_separate_locks(name: str) -> None:
         with lock(name, backend="etcd", timeout=0):
             names = [i.name for i in locks["etcd"].list(name)]
             assert names == [name, f"{name}/a", f"{name}/a/b"]
+
+
+@pytest.mark.parametrize("alias", ["etcd", "etcd-cluster"])
+def test_do_get_reads_the_lease_on_exactly_one_name(
+    etcd_servers: dict[str, Any], alias: str, name: str
+) -> None:
+    """``do_get(name)``: the holder of ``name`` as ``list`` shows it, or None when free."""
+    backend = locks[alias]
+    assert isinstance(backend, EtcdBackend)
+    assert backend.do_get(name) is None
+    # Names that share its prefix are other locks: a range over the name's own keys.
+    with backend.acquire(f"{name}/sub"), backend.acquire(f"{name}x"):
+        assert backend.do_get(name) is None
+        with backend.acquire(name, ttl=30, metadata={"note": "got"}) as held:
+            info = backend.do_get(name)
+            assert info is not None
+            [listed] = [i for i in backend.list(name) if i.name == name]
+            assert (info.backend, info.name, info.token) == (alias, name, held.token)
+            assert info.token == listed.token
+            assert info.holder == listed.holder
+            assert info.holder["note"] == "got"
+            assert info.acquired_at == listed.acquired_at
+            assert 0 < info.expires_in <= 30
+        assert backend.do_get(name) is None
+
+
+@pytest.mark.parametrize("alias", ["etcd", "etcd-cluster"])
+def test_do_get_is_none_once_the_lease_ran_out(
+    etcd_servers: dict[str, Any], alias: str, name: str
+) -> None:
+    backend = locks[alias]
+    assert isinstance(backend, EtcdBackend)
+    held = backend.acquire(name, ttl=1, renew=False)  # a lease of its own, not renewed
+    info = backend.do_get(name)
+    assert info is not None
+    assert info.token == held.token
+    # etcd ends the lease after 1 s, and its leader looks for expired ones every 0.5 s.
+    wait_for(lambda: backend.do_get(name) is None, 10, "the 1 s lease to run out")
+    with pytest.raises(LockNotOwned):
+        held.release()
 
 
 def test_etcdctl_lock_waits_while_we_hold(single: EtcdServer, name: str) -> None:

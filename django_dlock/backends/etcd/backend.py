@@ -1,0 +1,604 @@
+"""The etcd backend's lock algorithm and settings (see the package docstring).
+
+The modules beside this one: ``transport`` (gRPC channels, calls, failover,
+errors), ``watches`` (one Watch stream per process) and ``sessions`` (session
+leases, their keep-alive, and this process's acquisitions).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta, timezone
+from typing import Any
+from urllib.parse import unquote
+
+import grpc
+from django.core import checks
+from etcd3 import etcdrpc as rpc
+
+from ..._validation import load_holder
+from ...exceptions import BackendUnavailable, LockNotOwned
+from ..base import BaseLockBackend, Grant, LockInfo
+from .sessions import Entry, Lease, Sessions, lease_seconds
+from .transport import (
+    CREATE_ASC,
+    CREATE_DESC,
+    Endpoint,
+    LeaseNotFound,
+    Transport,
+    created_at,
+    delete,
+    get,
+    leased_by,
+    put,
+    range_end,
+    txn,
+)
+
+
+def _escape(name: str) -> bytes:
+    return name.replace("%", "%25").replace("/", "%2F").encode()
+
+
+def _unescape(part: bytes) -> str:
+    return unquote(part.decode(errors="replace"))
+
+
+_backends: weakref.WeakSet[EtcdBackend] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    # The parent's sessions, channels and acquisitions are the parent's.
+    for backend in list(_backends):
+        backend._state = None
+
+
+def _close_at_exit() -> None:
+    for backend in list(_backends):
+        backend.close()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+atexit.register(_close_at_exit)
+
+
+class EtcdBackend(BaseLockBackend):
+    """Locks in etcd v3; see the package docstring for the algorithm and key layout."""
+
+    supports_fair = True
+    supports_shared_leases = True
+    supports_wakeups = True
+    #: etcd leases are whole seconds, and etcd grants none shorter than about
+    #: 1.5 election timeouts: a TTL is rounded up to a whole second.
+    min_ttl = 1.0
+    expiry_slack = 0.5
+    allowed_options = frozenset({"ca", "cert", "key", "user", "password", "timeout"})
+
+    def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
+        super().__init__(alias, params)
+        options = self.options
+        self.timeout = self._number_option("timeout", 5.0)
+        for key in ("ca", "cert", "key", "user", "password"):
+            if options.get(key) is not None and not isinstance(options[key], (str, os.PathLike)):
+                raise self._config_error(f"OPTIONS[{key!r}] must be a str.")
+        if ("cert" in options) != ("key" in options):
+            raise self._config_error(
+                "OPTIONS 'cert' and 'key' go together (a client certificate)."
+            )
+        if ("user" in options) != ("password" in options):
+            raise self._config_error("OPTIONS 'user' and 'password' go together.")
+        self.endpoints, self.secure = self._parse_location()
+        self.root = f"{self.key_prefix}dlock/".encode()
+        self._state: Sessions | None = None
+        self._state_mutex = threading.Lock()
+        # Building the keys and the range op shows in the uncontended cycle.
+        self._names = functools.lru_cache(maxsize=4096)(self._make_names)
+        _backends.add(self)
+
+    def _parse_location(self) -> tuple[list[str], bool]:
+        location = self.location if self.location is not None else "127.0.0.1:2379"
+        if isinstance(location, str):
+            items = [location]
+        elif isinstance(location, Sequence) and location and not isinstance(location, bytes):
+            items = list(location)
+        else:
+            raise self._config_error(
+                "LOCATION must be an endpoint 'host:port' (or http:// / https:// URL) or a "
+                "list of them."
+            )
+        schemes = set()
+        endpoints = []
+        for item in items:
+            if not isinstance(item, str) or not item:
+                raise self._config_error(f"{item!r} is not an etcd endpoint 'host:port'.")
+            scheme, sep, rest = item.partition("://")
+            if not sep:
+                scheme, rest = "", item
+            if scheme not in ("", "http", "https"):
+                raise self._config_error(f"{item!r}: the scheme must be http or https.")
+            host, colon, port = rest.rstrip("/").rpartition(":")
+            if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise self._config_error(f"{item!r} is not an etcd endpoint 'host:port'.")
+            schemes.add(scheme)
+            endpoints.append(f"{host}:{port}")
+        tls_files = any(self.options.get(k) for k in ("ca", "cert", "key"))
+        if "http" in schemes and (tls_files or "https" in schemes):
+            raise self._config_error(
+                "http:// endpoints do not use TLS; use https:// with OPTIONS 'ca'/'cert'/'key'."
+            )
+        return endpoints, "https" in schemes or tls_files
+
+    def check(self) -> list[checks.CheckMessage]:
+        messages: list[checks.CheckMessage] = []
+        for key in ("ca", "cert", "key"):
+            path = self.options.get(key)
+            if path is not None and not os.path.isfile(path):
+                messages.append(
+                    checks.Error(
+                        f"Lock backend {self.alias!r}: OPTIONS[{key!r}] {str(path)!r} is not "
+                        "a readable file.",
+                        id="django_dlock.E006",
+                    )
+                )
+        return messages
+
+    # --- per-process state ------------------------------------------------------------
+
+    def _credentials(self) -> Any:
+        if not self.secure:
+            return None
+
+        def read(key: str) -> bytes | None:
+            path = self.options.get(key)
+            if path is None:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as e:
+                raise self._config_error(f"cannot read OPTIONS[{key!r}]: {e}") from e
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read("ca"), private_key=read("key"), certificate_chain=read("cert")
+        )
+
+    @property
+    def state(self) -> Sessions:
+        """This process's sessions on this backend, connected on first use."""
+        state = self._state
+        if state is None:
+            with self._state_mutex:
+                if self._state is None:
+                    credentials = self._credentials()
+                    transport = Transport(
+                        self.alias,
+                        [Endpoint(target, credentials) for target in self.endpoints],
+                        self.timeout,
+                        self.options.get("user"),
+                        self.options.get("password"),
+                    )
+                    self._state = Sessions(transport)
+                state = self._state
+        return state
+
+    def close(self) -> None:
+        """Revoke this process's leases (held locks are released at once) and disconnect."""
+        with self._state_mutex:
+            state, self._state = self._state, None
+        if state is not None:
+            state.close()
+
+    def _call(self, name: str, stub: str, method: str, request: Any, **kwargs: Any) -> Any:
+        return self.state.call(name, stub, method, request, **kwargs)
+
+    def _txn(self, name: str, request: Any, **kwargs: Any) -> Any:
+        return self._call(name, "kv", "Txn", request, **kwargs)
+
+    # --- primitives -------------------------------------------------------------------
+
+    def _base(self, name: str) -> bytes:
+        return self.root + _escape(name) + b"/"
+
+    def _make_names(self, name: str) -> tuple[bytes, bytes, Any]:
+        """``Pdlock/N/``, the end of its range, and the op that reads its two newest keys."""
+        base = self._base(name)
+        end = range_end(base)
+        return base, end, get(base, end, limit=2, keys_only=True, **CREATE_DESC)
+
+    def do_acquire(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
+    ) -> int | Grant | None:
+        state = self.state
+        started = time.monotonic()
+        entry = state.entries.get(owner)
+        if entry is not None:
+            return self._recheck(name, owner, entry, ttl)
+        base, _, newest_two = self._names(name)
+        lease = self.state.take_slot(name, base, ttl, renew)
+        key = base + f"{lease.id:x}".encode()
+        entry = Entry(base, key, lease, lease)
+        with state.mutex:
+            state.entries[owner] = entry
+        request = txn(
+            [created_at(key, 0)],
+            [
+                put(key, lease.id, holder.encode()),
+                # Within this transaction ours is the newest key under base:
+                # the one before it is the key to watch, and if there is
+                # none, ours is the lowest and we hold the lock.
+                newest_two,
+            ],
+            [get(key)],
+        )
+        try:
+            for _ in range(3):
+                retried: list[bool] = []
+                reply = self._txn(name, request, ambiguous=retried)
+                if reply.succeeded:
+                    break
+                [kv] = reply.responses[0].response_range.kvs or [None]
+                if kv is not None and retried and kv.lease == lease.id:
+                    # Our put was applied by the try that failed over: the key is ours.
+                    entry.revision = kv.create_revision
+                    return self._recheck(name, owner, entry, ttl)
+                if kv is not None:
+                    # Left by a release of ours that could not reach etcd: never
+                    # reuse its revision as a token; delete it and put anew.
+                    self._txn(name, txn([created_at(key, kv.create_revision)], [delete(key)]))
+            else:
+                raise BackendUnavailable(
+                    f"etcd key {key!r} for lock {name!r} on backend {self.alias!r} keeps "
+                    "coming back.",
+                    name=name,
+                    backend=self.alias,
+                )
+        except LeaseNotFound:
+            # Revoked behind our back, or etcd lost its data: use a new lease.
+            lease.expires = 0.0
+            self.state.forget(owner)
+            self.state.drop_session(lease)
+            return self.do_acquire(name, owner, ttl, holder, renew)
+        except BaseException:
+            self.state.forget(owner)
+            if not lease.private:
+                # The put may have been applied (a timeout, a cancelled call):
+                # the session lease would keep that key alive for good.
+                self.state.delete_unknown(key, lease)
+            raise
+        entry.revision = reply.header.revision
+        ahead = [kv for kv in reply.responses[1].response_range.kvs if kv.key != key]
+        if not ahead:
+            return self._granted(name, entry, ttl, started)
+        entry.ahead = (ahead[0].key, reply.header.revision)
+        return None
+
+    def _recheck(self, name: str, owner: str, entry: Entry, ttl: float) -> int | Grant | None:
+        """After a wait: are we first now? If not, whom to watch next."""
+        _, end, _ = self._names(name)
+        reply = self._txn(
+            name,
+            txn(
+                [created_at(entry.key, entry.revision)],
+                [
+                    # The newest key older than ours; none: ours is the lowest.
+                    get(
+                        entry.base,
+                        end,
+                        limit=1,
+                        keys_only=True,
+                        max_create_revision=entry.revision - 1,
+                        **CREATE_DESC,
+                    ),
+                ],
+            ),
+        )
+        if not reply.succeeded:
+            # Our key is gone (its lease ran out, or someone broke the queue
+            # entry): queue again at the back.
+            self.state.forget(owner)
+            return None
+        ahead = reply.responses[0].response_range.kvs
+        if not ahead:
+            return self._granted(name, entry, ttl, None)
+        entry.ahead = (ahead[0].key, reply.header.revision)
+        return None
+
+    def _granted(self, name: str, entry: Entry, ttl: float, started: float | None) -> int | Grant:
+        lease = entry.lease
+        now = time.monotonic()
+        if lease.expires - now < ttl / 2 and not self.state.keepalive(name, lease):
+            # Cannot happen while the key exists; treat as a lease that ends now.
+            return Grant(entry.revision, now, 0.001)
+        if started is not None and lease.expires - lease.ttl >= started and lease.ttl >= ttl:
+            # Granted or refreshed within this attempt: it runs at least ``ttl``
+            # from when the caller sent the attempt.
+            return entry.revision
+        return Grant(entry.revision, lease.expires, max(lease.expires - now, 0.001))
+
+    def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
+        """Watch the key ahead of ours for its delete; keep our lease alive meanwhile."""
+        entry = self.state.entries.get(owner)
+        if entry is None or entry.ahead is None:
+            return
+        lease = entry.lease
+        refresh_in = lease.expires - time.monotonic() - lease.ttl / 2
+        timeout = refresh_in if remaining is None else min(remaining, refresh_in)
+        if timeout > 0:
+            watches = self.state.watches
+            wake = watches.watch(entry.ahead[0], entry.ahead[1] + 1)
+            try:
+                wake.event.wait(timeout)
+            finally:
+                watches.cancel(wake)
+        if lease.expires - time.monotonic() <= lease.ttl / 2:
+            self.state.keepalive(name, lease)
+
+    def do_release(self, name: str, owner: str) -> bool:
+        entry = self.state.forget(owner, revoke=False)
+        if entry is None:
+            return False
+        retried: list[bool] = []
+        reply = self.state.delete_entry(name, entry, ambiguous=retried)
+        # A delete that failed over may have been applied by the first try.
+        return bool(reply.succeeded) or bool(retried)
+
+    def do_detach(self, name: str, owner: str) -> dict[str, Any]:
+        entry = self.state.entries.get(owner)
+        if entry is None:
+            raise LockNotOwned(
+                f"Lock {name!r} on backend {self.alias!r} is not held by this process.",
+                name=name,
+                backend=self.alias,
+            )
+        if not entry.lease.private and not self._move(name, owner, entry, entry.lease.ttl):
+            # The session lease is kept alive for this process's other locks;
+            # the key must go under a lease that runs out without us.
+            raise LockNotOwned(
+                f"Lock {name!r} on backend {self.alias!r} was lost before it could be detached.",
+                name=name,
+                backend=self.alias,
+            )
+        self.state.forget(owner, revoke=False)
+        if not entry.slot.private:
+            # The key is still named after this session lease, and may live on
+            # in an adopter: keep the name taken, so that a later acquisition
+            # here puts a key of another name instead of finding this one.
+            with self.state.mutex:
+                entry.slot.names.add(entry.base)
+        return {
+            "key": entry.key.hex(),
+            "revision": entry.revision,
+            "lease": entry.lease.id,
+            "lease_ttl": entry.lease.ttl,
+        }
+
+    def _ticket(self, name: str, state: Any) -> tuple[bytes, bytes, int, int]:
+        """A ticket's lock base, key, create revision and the lease it was handed over on."""
+        try:
+            key = bytes.fromhex(state["key"])
+            revision, lease_id = int(state["revision"]), int(state["lease"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"Malformed etcd lease ticket state {state!r}: {e}") from e
+        base = self._names(name)[0]
+        if not key.startswith(base):
+            raise ValueError(f"The ticket's etcd key {key!r} is not under lock {name!r}.")
+        return base, key, revision, lease_id
+
+    def do_adopt(self, name: str, owner: str, new_owner: str, ttl: float, state: Any) -> bool:
+        """Move the key from the ticket's lease to a new lease of the adopter's.
+
+        ``do_detach`` put the key under a lease of its own, named in the ticket.
+        The move compares the key's lease with that one, so the first adopter
+        wins and a second finds the key under another lease and is refused.
+        """
+        base, key, revision, ticket_lease = self._ticket(name, state)
+        lease = self.state.grant(name, lease_seconds(ttl), private=True)
+        retried: list[bool] = []
+        try:
+            reply = self._txn(
+                name,
+                txn(
+                    [created_at(key, revision), leased_by(key, ticket_lease)],
+                    [put(key, lease.id)],
+                    [get(key, keys_only=True)],
+                ),
+                ambiguous=retried,
+            )
+        except BaseException:
+            self.state.revoke_quietly(lease)
+            raise
+        moved = bool(reply.succeeded)
+        if not moved and retried:
+            # The try that failed over may have moved it for us.
+            [kv] = reply.responses[0].response_range.kvs or [None]
+            moved = kv is not None and kv.create_revision == revision and kv.lease == lease.id
+        if not moved:
+            self.state.revoke_quietly(lease)
+            return False
+        self.state.revoke_quietly(Lease(ticket_lease, 0, 0.0, private=True))
+        with self.state.mutex:
+            self.state.entries[new_owner] = Entry(base, key, lease, lease, revision)
+        return True
+
+    def do_release_ticket(self, name: str, owner: str, state: Any) -> bool:
+        _, key, revision, ticket_lease = self._ticket(name, state)
+        retried: list[bool] = []
+        reply = self._txn(
+            name,
+            txn(
+                [created_at(key, revision), leased_by(key, ticket_lease)],
+                [delete(key)],
+                [get(key, keys_only=True)],
+            ),
+            ambiguous=retried,
+        )
+        self.state.revoke_quietly(Lease(ticket_lease, 0, 0.0, private=True))
+        # A try that failed over may have deleted it: then the key is gone.
+        if reply.succeeded:
+            return True
+        return bool(retried) and not reply.responses[0].response_range.kvs
+
+    def do_abandon(self, name: str, owner: str) -> None:
+        entry = self.state.forget(owner, revoke=False)
+        if entry is not None:
+            self.state.delete_entry(name, entry)
+
+    def do_extend(self, name: str, owner: str, ttl: float) -> bool:
+        entry = self.state.entries.get(owner)
+        if entry is None:
+            return False
+        seconds = lease_seconds(ttl)
+        if seconds != entry.lease.ttl:
+            return self._move(name, owner, entry, seconds)
+        if not self.state.keepalive(name, entry.lease):
+            self.state.forget(owner)
+            return False
+        return self._check(name, owner, entry)
+
+    def _move(self, name: str, owner: str, entry: Entry, seconds: int) -> bool:
+        """Put our key under a lease of its own of ``seconds`` (extend with a new TTL)."""
+        lease = self.state.grant(name, seconds, private=True)
+        reply = self._txn(
+            name,
+            txn(
+                [created_at(entry.key, entry.revision)],
+                [put(entry.key, lease.id)],
+            ),
+        )
+        if not reply.succeeded:
+            self.state.revoke_quietly(lease)
+            self.state.forget(owner)
+            return False
+        old, entry.lease = entry.lease, lease
+        if old.private:
+            self.state.revoke_quietly(old)
+        return True
+
+    def _check(self, name: str, owner: str, entry: Entry) -> bool:
+        reply = self._call(name, "kv", "Range", rpc.RangeRequest(key=entry.key, keys_only=True))
+        if reply.kvs and reply.kvs[0].create_revision == entry.revision:
+            return True
+        self.state.forget(owner)
+        return False
+
+    def do_check(self, name: str, owner: str) -> bool:
+        entry = self.state.entries.get(owner)
+        return entry is not None and self._check(name, owner, entry)
+
+    def do_break(self, name: str, token: int | None) -> bool:
+        base, end, _ = self._names(name)
+        while True:
+            reply = self._call(
+                name,
+                "kv",
+                "Range",
+                rpc.RangeRequest(key=base, range_end=end, limit=1, keys_only=True, **CREATE_ASC),
+            )
+            if not reply.kvs:
+                return False
+            kv = reply.kvs[0]
+            if token is not None and kv.create_revision != token:
+                return False  # the holder is not the lease the caller meant
+            deleted = self._txn(
+                name, txn([created_at(kv.key, kv.create_revision)], [delete(kv.key)])
+            )
+            if deleted.succeeded:
+                return True
+            if token is not None:
+                return False  # that lease ended meanwhile
+            # That holder released meanwhile; break whoever holds it now.
+
+    def do_ping(self) -> tuple[str, tuple[str, ...]]:
+        reply = self._call("", "maintenance", "Status", rpc.StatusRequest())
+        return f"etcd {reply.version}", ()
+
+    def do_list(self, prefix: str) -> list[LockInfo]:
+        start = self.root + _escape(prefix)
+        reply = self._call(
+            prefix or "*",
+            "kv",
+            "Range",
+            rpc.RangeRequest(key=start, range_end=range_end(start), **CREATE_ASC),
+        )
+        holders: dict[bytes, Any] = {}
+        for kv in reply.kvs:
+            base, _, _ = kv.key.rpartition(b"/")
+            if len(base) <= len(self.root):
+                continue  # not a lock's key: Pdlock/<name>/<lease>
+            holders.setdefault(base, kv)  # ascending create revision: the first is the holder
+        now = datetime.now(timezone.utc)
+        ttls: dict[int, float] = {}
+        infos = []
+        for base, kv in holders.items():
+            if kv.lease not in ttls:
+                ttls[kv.lease] = self._remaining(prefix or "*", kv.lease)
+            info = self._info(_unescape(base[len(self.root) :]), kv, ttls[kv.lease], now)
+            if info is not None:
+                infos.append(info)
+        return infos
+
+    def do_get(self, name: str) -> LockInfo | None:
+        """The live lease on ``name``: its oldest key, read in one range request.
+
+        The range covers ``Pdlock/N/`` only, so ``N/sub`` or ``Nx`` are not
+        read. Its remaining time is asked of its lease, as :meth:`do_list` does.
+        """
+        base, end, _ = self._names(name)
+        reply = self._call(
+            name,
+            "kv",
+            "Range",
+            rpc.RangeRequest(key=base, range_end=end, limit=1, **CREATE_ASC),
+        )
+        if not reply.kvs:
+            return None
+        kv = reply.kvs[0]
+        now = datetime.now(timezone.utc)
+        return self._info(name, kv, self._remaining(name, kv.lease), now)
+
+    def _remaining(self, name: str, lease_id: int) -> float:
+        """Seconds lease ``lease_id`` has left by etcd (negative: gone; no lease: forever)."""
+        if not lease_id:
+            return math.inf
+        reply = self._call(
+            name, "lease", "LeaseTimeToLive", rpc.LeaseTimeToLiveRequest(ID=lease_id)
+        )
+        return float(reply.TTL)
+
+    def _info(self, name: str, kv: Any, remaining: float, now: datetime) -> LockInfo | None:
+        """``kv``, the holder's key of ``name``, as a LockInfo; None if its lease is gone."""
+        if remaining < 0:
+            return None  # ran out between the two reads
+        holder = load_holder(kv.value.decode(errors="replace"))
+        return LockInfo(
+            backend=self.alias,
+            name=name,
+            token=int(kv.create_revision),
+            holder=holder,
+            acquired_at=_acquired_at(holder, now),
+            expires_at=(
+                now + timedelta(seconds=remaining)
+                if math.isfinite(remaining)
+                else datetime.max.replace(tzinfo=timezone.utc)
+            ),
+            expires_in=remaining,
+        )
+
+
+def _acquired_at(holder: dict[str, Any], default: datetime) -> datetime:
+    """etcd keys carry no time; the holder's own ``acquired_at`` (its clock) is the best known."""
+    text = holder.get("acquired_at")
+    if isinstance(text, str):
+        try:
+            value = datetime.fromisoformat(text)
+        except ValueError:
+            return default
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return default
