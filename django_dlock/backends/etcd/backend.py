@@ -25,7 +25,7 @@ from etcd3 import etcdrpc as rpc
 
 from ..._validation import load_holder
 from ...exceptions import BackendUnavailable, LockNotOwned
-from ..base import BaseLockBackend, Grant, LockInfo
+from ..base import Attempt, BaseLockBackend, Grant, LockInfo
 from .sessions import Entry, Lease, Sessions, lease_seconds
 from .transport import (
     CREATE_ASC,
@@ -69,8 +69,27 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 atexit.register(_close_at_exit)
 
 
+class EtcdAttempt(Attempt):
+    """An acquisition queued as a key under the lock's prefix.
+
+    Its key and lease are the backend's record of ``owner`` (``state.entries``,
+    which release and extend read too); waiting watches the key ahead of
+    it, and giving up deletes its key.
+    """
+
+    backend: EtcdBackend
+
+    def wait(self, remaining: float | None) -> None:
+        self.backend._watch_ahead(self.name, self.owner, remaining)
+
+    def abandon(self) -> None:
+        self.backend._leave_queue(self.name, self.owner)
+
+
 class EtcdBackend(BaseLockBackend):
     """Locks in etcd v3; see the package docstring for the algorithm and key layout."""
+
+    attempt_class = EtcdAttempt
 
     supports_fair = True
     supports_shared_leases = True
@@ -322,7 +341,7 @@ class EtcdBackend(BaseLockBackend):
             return entry.revision
         return Grant(entry.revision, lease.expires, max(lease.expires - now, 0.001))
 
-    def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
+    def _watch_ahead(self, name: str, owner: str, remaining: float | None) -> None:
         """Watch the key ahead of ours for its delete; keep our lease alive meanwhile."""
         entry = self.state.entries.get(owner)
         if entry is None or entry.ahead is None:
@@ -445,7 +464,7 @@ class EtcdBackend(BaseLockBackend):
             return True
         return bool(retried) and not reply.responses[0].response_range.kvs
 
-    def do_abandon(self, name: str, owner: str) -> None:
+    def _leave_queue(self, name: str, owner: str) -> None:
         entry = self.state.forget(owner, revoke=False)
         if entry is not None:
             self.state.delete_entry(name, entry)
