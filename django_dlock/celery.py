@@ -62,7 +62,8 @@ from . import conf
 from ._validation import validate_timeout, validate_ttl
 from .exceptions import LockLost, LockTimeout
 from .handler import locks
-from .lock import HeldLock, KeyTemplate
+from .keys import KeyTemplate
+from .lock import HeldLock
 from .signals import task_skipped
 
 __all__ = ["HEADER", "LockOptions", "LockedTask", "locked_task"]

@@ -27,7 +27,6 @@ import functools
 import inspect
 import logging
 import os
-import string
 import threading
 import time
 import weakref
@@ -39,6 +38,7 @@ from . import conf
 from ._validation import dump_holder, validate_name, validate_timeout, validate_ttl
 from .exceptions import BackendUnavailable, LockLost, LockNotOwned
 from .handler import locks
+from .keys import KeyTemplate
 from .signals import lock_acquired, lock_lost, lock_released
 from .watchdog import get_watchdog
 
@@ -579,59 +579,6 @@ def release_at_transaction_end(
 _acquired: ContextVar[tuple[tuple[weakref.ref[Lock], weakref.ref[HeldLock]], ...]] = ContextVar(
     "django_dlock_acquired", default=()
 )
-
-
-def _template_fields(template: str) -> set[str]:
-    """The argument names a key template refers to: "inv:{inv.pk}" -> {"inv"}."""
-    roots = set()
-    for _, field, _, _ in string.Formatter().parse(template):
-        if field is None:
-            continue
-        root = field.split(".", 1)[0].split("[", 1)[0]
-        if not root or root.isdigit():
-            raise ValueError(
-                f"Lock key template {template!r} must name arguments, as in 'invoice:{{id}}'."
-            )
-        roots.add(root)
-    return roots
-
-
-class KeyTemplate:
-    """A lock name filled from a call's arguments: ``"invoice:{invoice_id}"``.
-
-    Fields name parameters of ``signature`` (attributes and items work too:
-    ``"{invoice.pk}"``); defaults apply, and ``**kwargs`` contribute their
-    keys. A template without fields is a fixed name.
-    """
-
-    def __init__(self, template: str, signature: inspect.Signature, qualname: str) -> None:
-        self.template = template
-        self.signature = signature
-        fields = _template_fields(template)
-        self._var_keyword = [
-            p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD
-        ]
-        missing = fields - set(signature.parameters)
-        if missing and not self._var_keyword:
-            raise ValueError(
-                f"Lock key {template!r} names {sorted(missing)!r}, which "
-                f"{qualname}() does not take."
-            )
-        self._static = None if fields else template.format()
-
-    def arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """The call's arguments by parameter name, defaults applied, ``**kwargs`` merged in."""
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        values = dict(bound.arguments)
-        for name in self._var_keyword:
-            values.update(values.pop(name, {}))
-        return values
-
-    def format(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-        if self._static is not None:
-            return self._static
-        return self.template.format(**self.arguments(args, kwargs))
 
 
 class Lock:

@@ -20,7 +20,7 @@ from django.db.models.signals import post_save
 from django_dlock import LockTimeout, StaleWrite, lock
 from django_dlock.backends.base import BaseLockBackend
 from django_dlock.fencing import fenced_update
-from django_dlock.saves import lock_name, locked_delete, locked_save
+from django_dlock.saves import instance_lock_name, locked_delete, locked_save
 from tests.models import Document, LockedDocument, LockedNote
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,7 +137,7 @@ def test_a_stale_locked_save_does_not_undo_a_newer_locked_delete() -> None:
     doc = Document(title="x")
     doc.save()
     stale = Document.objects.get(pk=doc.pk)
-    older = lock(lock_name(doc), backend="db-sqlite").acquire()
+    older = lock(instance_lock_name(doc), backend="db-sqlite").acquire()
     older.release()  # A's lease ended (in the story: it expired while A paused)
     locked_delete(doc, backend="db-sqlite")  # B, with a newer token
     with pytest.raises(StaleWrite):
@@ -216,8 +216,8 @@ def test_locked_save_takes_the_lock_and_fences_with_its_token() -> None:
     held = locked_save(doc, backend="locmem")
     assert held.released
     assert Document.objects.get(pk=doc.pk).fence == held.token
-    assert lock_name(doc) == f"tests.document:{doc.pk}"
-    with lock(lock_name(doc), backend="locmem"):
+    assert instance_lock_name(doc) == f"tests.document:{doc.pk}"
+    with lock(instance_lock_name(doc), backend="locmem"):
         with pytest.raises(LockTimeout):
             locked_save(doc, backend="locmem", timeout=0)
     locked_delete(doc, backend="locmem")
@@ -235,7 +235,7 @@ def test_the_mixin_locks_save_and_delete() -> None:
     doc.save()
     assert LockedDocument.objects.get(pk=doc.pk).fence > first
     doc.lock_timeout = 0
-    with lock(lock_name(doc), backend="locmem"):
+    with lock(instance_lock_name(doc), backend="locmem"):
         with pytest.raises(LockTimeout):
             doc.save()
         with pytest.raises(LockTimeout):
@@ -268,7 +268,7 @@ def _held_elsewhere(name: str) -> bool:
 @pytest.mark.django_db(transaction=True)
 def test_release_on_commit_holds_the_lock_until_the_transaction_commits() -> None:
     note = LockedNote.objects.create(text="a")
-    name = lock_name(note)
+    name = instance_lock_name(note)
     with transaction.atomic():
         note.text = "b"
         note.save()
@@ -280,7 +280,7 @@ def test_release_on_commit_holds_the_lock_until_the_transaction_commits() -> Non
 @pytest.mark.django_db(transaction=True)
 def test_release_on_commit_releases_on_rollback_and_savepoint_rollback() -> None:
     note = LockedNote.objects.create(text="a")
-    name = lock_name(note)
+    name = instance_lock_name(note)
     with pytest.raises(RuntimeError), transaction.atomic():
         note.save()
         assert _held_elsewhere(name)
@@ -298,5 +298,5 @@ def test_release_on_commit_releases_on_rollback_and_savepoint_rollback() -> None
 
 def test_lock_names_need_a_primary_key() -> None:
     with pytest.raises(ValueError, match="before it has a primary key"):
-        lock_name(Document(title="x"))
-    assert lock_name(Document(pk=3, title="x"), "doc:{title}:{pk}") == "doc:x:3"
+        instance_lock_name(Document(title="x"))
+    assert instance_lock_name(Document(pk=3, title="x"), "doc:{title}:{pk}") == "doc:x:3"
