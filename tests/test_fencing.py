@@ -162,7 +162,7 @@ def test_a_paused_holders_write_is_refused(
     backend_alias: str, backend: BaseLockBackend, name: str, tmp_path: Path
 ) -> None:
     """etcd's contrib/lock scenario: A pauses past its lease, B writes, A resumes and writes."""
-    if not backend.shared_across_processes:
+    if not backend.supports_multiprocess:
         pytest.skip(f"{type(backend).__name__} keeps its locks in one process's memory")
     db = settings.CONFORMANCE_BACKENDS[backend_alias] or "default"
     doc = Document(title="pause", body="initial")
