@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -12,14 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import django
 import pytest
 from django.conf import settings
-from django.db import connections, transaction
+from django.db import connections, models, transaction
 from django.db.models.signals import post_save
 
 from django_dlock import LockTimeout, StaleWrite, lock
 from django_dlock.backends.base import BaseLockBackend
-from django_dlock.fencing import fenced_update
+from django_dlock.fencing import FencedModel, fenced_update
 from django_dlock.saves import instance_lock_name, locked_delete, locked_save
 from tests.models import Document, LockedDocument, LockedNote
 
@@ -300,3 +302,19 @@ def test_lock_names_need_a_primary_key() -> None:
     with pytest.raises(ValueError, match="before it has a primary key"):
         instance_lock_name(Document(title="x"))
     assert instance_lock_name(Document(pk=3, title="x"), "doc:{title}:{pk}") == "doc:x:3"
+
+
+def test_the_do_update_that_fenced_model_overrides_has_the_pinned_signature() -> None:
+    """FencedModel._do_update relies on Model._do_update's parameters (fencing.py).
+
+    Django 4.2 to 5.2 take six and return a bool; 6.0 added ``returning_fields``
+    and returns a list. A Django that changes them again fails here first.
+    """
+    expected = ["self", "base_qs", "using", "pk_val", "values", "update_fields", "forced_update"]
+    if django.VERSION >= (6, 0):
+        expected.append("returning_fields")
+    parameters = inspect.signature(models.Model._do_update).parameters
+    assert list(parameters) == expected, django.get_version()
+    assert {p.kind for p in parameters.values()} == {inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    override = list(inspect.signature(FencedModel._do_update).parameters)
+    assert override == [*expected[:7], "args", "kwargs"]
