@@ -1,6 +1,6 @@
 """The admin's "Locks" page: live leases on every backend, and a guarded "Break".
 
-There is no table behind it (``models.Lock`` is unmanaged): the views list
+There is no table behind it (``models.LockListing`` is unmanaged): the views list
 from the backends through :mod:`django_dlock.holders`, like
 ``manage.py locks``. Viewing needs ``django_dlock.view_lock``; breaking needs
 ``django_dlock.break_lock``, a POST with a CSRF token, and a second POST
@@ -28,22 +28,28 @@ from . import holders
 from .backends.base import LockInfo
 from .exceptions import DLockError
 from .handler import locks
-from .models import Lock
+from .models import LockListing
 
 #: Leases per page.
 PER_PAGE = 100
 #: Seconds between reloads of the list unless ``?refresh=`` says otherwise (0: off).
 REFRESH = 10
 REFRESH_CHOICES = (0, 5, 10, 30, 60)
+#: The admin model's name before it was renamed LockListing; its URL names still work.
+OLD_MODEL_NAME = "lock"
 
 
-@admin.register(Lock)
+@admin.register(LockListing)
 class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     holders_template = "admin/django_dlock/lock/holders.html"
     confirmation_template = "admin/django_dlock/lock/break_confirmation.html"
 
-    # Nothing is added, changed or deleted here; viewing is the model's
-    # view_lock permission, which ModelAdmin.has_view_permission checks.
+    # Nothing is added, changed or deleted here; viewing is the view_lock
+    # permission. It kept the codename it had when the model was called Lock,
+    # so ModelAdmin's default check (view_<model name>) would not find it.
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.view_lock")
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
@@ -57,19 +63,18 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return request.user.has_perm(f"{self.opts.app_label}.break_lock")
 
     def get_urls(self) -> list[URLPattern]:
-        prefix = f"{self.opts.app_label}_{self.opts.model_name}"
-        return [
-            path(
-                "",
-                self.admin_site.admin_view(self.changelist_view),
-                name=f"{prefix}_changelist",
-            ),
-            path(
-                "break/",
-                self.admin_site.admin_view(require_POST(self.break_view)),
-                name=f"{prefix}_break",
-            ),
-        ]
+        changelist = self.admin_site.admin_view(self.changelist_view)
+        break_ = self.admin_site.admin_view(require_POST(self.break_view))
+        urls = []
+        # The names the model had as ``Lock`` (django_dlock_lock_changelist,
+        # django_dlock_lock_break) still reverse, to the new paths.
+        for model_name in (self.opts.model_name, OLD_MODEL_NAME):
+            prefix = f"{self.opts.app_label}_{model_name}"
+            urls += [
+                path("", changelist, name=f"{prefix}_changelist"),
+                path("break/", break_, name=f"{prefix}_break"),
+            ]
+        return urls
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
@@ -182,7 +187,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             return HttpResponseRedirect(changelist)
         LogEntry.objects.create(
             user_id=request.user.pk,
-            content_type_id=ContentType.objects.get_for_model(Lock).pk,
+            content_type_id=ContentType.objects.get_for_model(LockListing).pk,
             object_id=f"{alias}:{name}",
             object_repr=name[:200],
             action_flag=DELETION,

@@ -63,7 +63,7 @@ from ._validation import validate_timeout, validate_ttl
 from .exceptions import LockLost, LockTimeout
 from .handle import HeldLock
 from .handler import locks
-from .lock import KeyTemplate
+from .keys import KeyTemplate
 from .signals import task_skipped
 
 __all__ = ["HEADER", "LockOptions", "LockedTask", "locked_task"]

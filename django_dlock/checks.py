@@ -11,6 +11,10 @@ Ids are stable and never reused (docs/checks.md lists them):
 - ``django_dlock.E007``: the database backend is used but ``django_dlock`` is not installed.
 - ``django_dlock.E008``: the database backend's database is missing or unsupported.
 - ``django_dlock.W001``: Redlock over an even number of masters.
+- ``django_dlock.W002``: a locked Celery task's lock TTL is shorter than the
+  broker's ``visibility_timeout`` (registered by ``celery.py``).
+- ``django_dlock.W003``: a list ``LOCATION`` on ``RedisBackend`` means
+  Redlock; use ``RedlockBackend``.
 """
 
 from __future__ import annotations

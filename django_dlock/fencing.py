@@ -94,17 +94,31 @@ class FencedModel(models.Model):
             self._fencing_token = None
 
     def _do_update(  # type: ignore[override]
-        self, base_qs: Any, using: Any, pk_val: Any, values: list[Any], *args: Any, **kwargs: Any
+        self,
+        base_qs: Any,
+        using: Any,
+        pk_val: Any,
+        values: list[Any],
+        update_fields: Any,
+        forced_update: Any,
+        *args: Any,
+        **kwargs: Any,
     ) -> Any:
         # Django's own save path (signals, parents, update_fields) calls this
         # for the UPDATE; a fenced save adds the fence to its WHERE and SET.
+        # Django 4.2-5.2 pass the six parameters above and take back a bool
+        # (a row was updated). Django 6.0 adds returning_fields (in ``args``)
+        # and takes back a list of returned rows. Either way the rest is
+        # passed through, and the result is falsy exactly when no row was
+        # updated. tests/test_fencing.py pins the signature on each version.
         token = self._fencing_token
+        rest = (update_fields, forced_update, *args)
         if token is None:
-            return super()._do_update(base_qs, using, pk_val, values, *args, **kwargs)
+            return super()._do_update(base_qs, using, pk_val, values, *rest, **kwargs)
         field = self._meta.get_field("fence")
         values = [v for v in values if v[0] is not field] + [(field, None, token)]
         fenced = base_qs.filter(fence__lte=token)
-        updated = super()._do_update(fenced, using, pk_val, values, *args, **kwargs)
+        updated = super()._do_update(fenced, using, pk_val, values, *rest, **kwargs)
         if not updated:
             current = base_qs.filter(pk=pk_val).values_list("fence", flat=True).first()
             if current is not None:

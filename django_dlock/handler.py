@@ -66,7 +66,7 @@ def validate_backends_setting(value: Any) -> dict[str, dict[str, Any]]:
 
 
 #: What the handler calls on a backend; a BACKEND without them is not one.
-_BACKEND_API = ("acquire", "aacquire", "adopt", "list", "break_lock", "ping", "close")
+_BACKEND_API = ("acquire", "aacquire", "adopt", "get", "list", "break_lock", "ping", "close")
 
 
 def backend_class(alias: str, params: dict[str, Any]) -> type[BaseLockBackend]:

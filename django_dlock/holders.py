@@ -49,9 +49,16 @@ def current_holders(backend: str | None = None, prefix: str = "") -> Listing:
 
 
 def find_holders(name: str, backend: str | None = None) -> Listing:
-    """The live lease on ``name`` on each backend that has one."""
-    listing = current_holders(backend, name)
-    listing.holders = [info for info in listing.holders if info.name == name]
+    """The live lease on ``name`` on each backend that has one: one ``get`` per backend."""
+    listing = Listing()
+    for alias in aliases(backend):
+        try:
+            info = locks[alias].get(name)
+        except DLockError as e:
+            listing.errors[alias] = e
+            continue
+        if info is not None:
+            listing.holders.append(info)
     return listing
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import string
 import weakref
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -22,6 +21,7 @@ from . import conf
 from ._validation import dump_holder, validate_name, validate_timeout, validate_ttl
 from .handle import TICKET_VERSION, HeldLock, arelease_on_exit, release_on_exit
 from .handler import locks
+from .keys import KeyTemplate
 from .transactions import release_at_transaction_end
 
 __all__ = [
@@ -44,59 +44,6 @@ _UNSET: Any = object()
 _acquired: ContextVar[tuple[tuple[weakref.ref[Lock], weakref.ref[HeldLock]], ...]] = ContextVar(
     "django_dlock_acquired", default=()
 )
-
-
-def _template_fields(template: str) -> set[str]:
-    """The argument names a key template refers to: "inv:{inv.pk}" -> {"inv"}."""
-    roots = set()
-    for _, field, _, _ in string.Formatter().parse(template):
-        if field is None:
-            continue
-        root = field.split(".", 1)[0].split("[", 1)[0]
-        if not root or root.isdigit():
-            raise ValueError(
-                f"Lock key template {template!r} must name arguments, as in 'invoice:{{id}}'."
-            )
-        roots.add(root)
-    return roots
-
-
-class KeyTemplate:
-    """A lock name filled from a call's arguments: ``"invoice:{invoice_id}"``.
-
-    Fields name parameters of ``signature`` (attributes and items work too:
-    ``"{invoice.pk}"``); defaults apply, and ``**kwargs`` contribute their
-    keys. A template without fields is a fixed name.
-    """
-
-    def __init__(self, template: str, signature: inspect.Signature, qualname: str) -> None:
-        self.template = template
-        self.signature = signature
-        fields = _template_fields(template)
-        self._var_keyword = [
-            p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD
-        ]
-        missing = fields - set(signature.parameters)
-        if missing and not self._var_keyword:
-            raise ValueError(
-                f"Lock key {template!r} names {sorted(missing)!r}, which "
-                f"{qualname}() does not take."
-            )
-        self._static = None if fields else template.format()
-
-    def arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """The call's arguments by parameter name, defaults applied, ``**kwargs`` merged in."""
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        values = dict(bound.arguments)
-        for name in self._var_keyword:
-            values.update(values.pop(name, {}))
-        return values
-
-    def format(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-        if self._static is not None:
-            return self._static
-        return self.template.format(**self.arguments(args, kwargs))
 
 
 class Lock:

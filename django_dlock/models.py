@@ -36,13 +36,15 @@ class Lease(models.Model):
         return self.name
 
 
-class Lock(models.Model):
+class LockListing(models.Model):
     """The admin's "Locks" entry: live leases, read from the lock backends.
 
     No table (``managed = False``): the model exists for the admin's app list,
     its content type (admin log entries of breaks point at it) and the two
     permissions: ``django_dlock.view_lock`` to see holders and
-    ``django_dlock.break_lock`` to break a lease.
+    ``django_dlock.break_lock`` to break a lease. It was called ``Lock``
+    until that clashed with :class:`django_dlock.Lock`; migration 0003
+    renames it, keeping the content type, permissions and log entries.
     """
 
     class Meta:

@@ -18,12 +18,13 @@ released as soon as the save returns.
 
 from __future__ import annotations
 
-import string
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from django.db import models, router
 
+from . import conf, keys
 from .fencing import FencedModel
 from .handle import HeldLock
 from .lock import lock
@@ -32,23 +33,42 @@ from .transactions import release_at_transaction_end
 DEFAULT_KEY = "{app_label}.{model_name}:{pk}"
 
 
-class _InstanceFields(string.Formatter):
-    def get_value(self, key: Any, args: Any, kwargs: Any) -> Any:
-        instance = kwargs["instance"]
+class _InstanceValues:
+    """A template's values for ``instance``: ``app_label``, ``model_name``, then attributes."""
+
+    def __init__(self, instance: models.Model) -> None:
+        self.instance = instance
+
+    def __getitem__(self, key: str) -> Any:
         if key == "app_label":
-            return instance._meta.app_label
+            return self.instance._meta.app_label
         if key == "model_name":
-            return instance._meta.model_name
-        return getattr(instance, key)
+            return self.instance._meta.model_name
+        return getattr(self.instance, key)
 
 
-def lock_name(instance: models.Model, template: str = DEFAULT_KEY) -> str:
+def _needs_pk(instance: models.Model, template: str) -> bool:
+    """Whether ``template`` names the primary key ``instance`` does not have yet."""
+    return instance.pk is None and "pk" in keys.parse(template).fields
+
+
+def instance_lock_name(instance: models.Model, template: str = DEFAULT_KEY) -> str:
     """The lock name ``template`` gives for ``instance``."""
-    if instance.pk is None and "{pk}" in template:
+    if _needs_pk(instance, template):
         raise ValueError(
             f"Cannot lock {type(instance).__name__} by {template!r} before it has a primary key."
         )
-    return _InstanceFields().format(template, instance=instance)
+    return keys.parse(template).fill(_InstanceValues(instance))
+
+
+def lock_name(instance: models.Model, template: str = DEFAULT_KEY) -> str:
+    """Deprecated alias of :func:`instance_lock_name`."""
+    warnings.warn(
+        "django_dlock.saves.lock_name() is deprecated; use instance_lock_name().",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return instance_lock_name(instance, template)
 
 
 class _SaveUnder:
@@ -90,7 +110,9 @@ def _under_lock(
     release_on_commit: bool,
     using: str | None,
 ) -> Any:
-    held = lock(lock_name(instance, key), backend=backend, ttl=ttl, timeout=timeout).acquire()
+    held = lock(
+        instance_lock_name(instance, key), backend=backend, ttl=ttl, timeout=timeout
+    ).acquire()
     db = using or router.db_for_write(type(instance), instance=instance)
     try:
         result = write(held)
@@ -106,7 +128,7 @@ def locked_save(
     instance: models.Model,
     *,
     key: str = DEFAULT_KEY,
-    backend: str = "default",
+    backend: str = conf.DEFAULT_ALIAS,
     ttl: float | None = None,
     timeout: float | None = 10,
     release_on_commit: bool = False,
@@ -136,7 +158,7 @@ def locked_delete(
     instance: models.Model,
     *,
     key: str = DEFAULT_KEY,
-    backend: str = "default",
+    backend: str = conf.DEFAULT_ALIAS,
     ttl: float | None = None,
     timeout: float | None = 10,
     release_on_commit: bool = False,
@@ -166,7 +188,7 @@ class LockedSaveMixin(models.Model):
     """
 
     lock_key: str = DEFAULT_KEY
-    lock_backend: str = "default"
+    lock_backend: str = conf.DEFAULT_ALIAS
     lock_ttl: float | None = None
     lock_timeout: float | None = 10
     release_on_commit: bool = False
@@ -175,7 +197,7 @@ class LockedSaveMixin(models.Model):
         abstract = True
 
     def save(self, *args: Any, **kwargs: Any) -> None:
-        if self.pk is None and "{pk}" in self.lock_key:
+        if _needs_pk(self, self.lock_key):
             super().save(*args, **kwargs)
             return
         write = _SaveUnder(self, super().save, args, kwargs)

@@ -16,14 +16,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction
 from django.http import HttpRequest, HttpResponse
 
-from . import holders
+from . import conf, holders, keys
 from .exceptions import LockTimeout
+from .keys import KeyTemplate
 from .lock import Lock
 
 V = TypeVar("V", bound=Callable[..., Any])
@@ -32,17 +34,35 @@ V = TypeVar("V", bound=Callable[..., Any])
 LOCKED = 423
 
 
-def lock_name(template: str, request: HttpRequest, view_kwargs: Mapping[str, Any]) -> str:
-    """The lock name ``template`` gives for this request."""
+def view_lock_name(
+    template: str | KeyTemplate, request: HttpRequest, view_kwargs: Mapping[str, Any]
+) -> str:
+    """The lock name ``template`` gives for this request.
+
+    Fields name the URL's keyword arguments, ``user`` (``request.user``) and
+    ``user_pk``; a field naming anything else raises ``ValueError``.
+    """
+    if not isinstance(template, KeyTemplate):
+        template = keys.parse(template)
     user = getattr(request, "user", None)
     fields = {**view_kwargs, "user": user, "user_pk": getattr(user, "pk", None)}
     try:
-        return template.format(**fields)
+        return template.fill(fields)
     except KeyError as e:
         raise ValueError(
-            f"Lock key {template!r} names {e.args[0]!r}, which is neither a URL keyword "
-            f"argument of this view ({sorted(view_kwargs)}) nor user or user_pk."
+            f"Lock key {template.template!r} names {e.args[0]!r}, which is neither a URL "
+            f"keyword argument of this view ({sorted(view_kwargs)}) nor user or user_pk."
         ) from None
+
+
+def lock_name(template: str, request: HttpRequest, view_kwargs: Mapping[str, Any]) -> str:
+    """Deprecated alias of :func:`view_lock_name`."""
+    warnings.warn(
+        "django_dlock.views.lock_name() is deprecated; use view_lock_name().",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return view_lock_name(template, request, view_kwargs)
 
 
 def locked_response(name: str, backend: str, status: int = LOCKED) -> HttpResponse:
@@ -75,6 +95,7 @@ class _Guard:
         if not isinstance(key, str) or not key:
             raise TypeError("The lock key must be a non-empty str template.")
         self.key = key
+        self.template = KeyTemplate(key)
         self.backend, self.status = backend, status
         # Validates the options where the view is defined; each request
         # acquires it under its own name.
@@ -83,7 +104,7 @@ class _Guard:
     def run(
         self, request: HttpRequest, view_kwargs: Mapping[str, Any], call: Callable[[], Any]
     ) -> Any:
-        name = lock_name(self.key, request, view_kwargs)
+        name = view_lock_name(self.template, request, view_kwargs)
         try:
             held = self.lock.acquire_handle(name=name)
         except LockTimeout:
@@ -96,7 +117,7 @@ class _Guard:
     async def arun(
         self, request: HttpRequest, view_kwargs: Mapping[str, Any], call: Callable[[], Any]
     ) -> Any:
-        name = lock_name(self.key, request, view_kwargs)
+        name = view_lock_name(self.template, request, view_kwargs)
         try:
             held = await self.lock.aacquire_handle(name=name)  # native where the backend is
         except LockTimeout:
@@ -112,7 +133,7 @@ def lock_view(
     *,
     timeout: float | None = 0,
     ttl: float | None = None,
-    backend: str = "default",
+    backend: str = conf.DEFAULT_ALIAS,
     status: int = LOCKED,
     metadata: Mapping[str, Any] | None = None,
 ) -> Callable[[V], V]:
@@ -151,7 +172,7 @@ class LockRequiredMixin:
     lock_key: str = ""
     lock_timeout: float | None = 0
     lock_ttl: float | None = None
-    lock_backend: str = "default"
+    lock_backend: str = conf.DEFAULT_ALIAS
     lock_status: int = LOCKED
     lock_metadata: Mapping[str, Any] | None = None
 

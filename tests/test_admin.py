@@ -21,8 +21,8 @@ from django_dlock.backends.base import BaseLockBackend
 from django_dlock.signals import lock_broken
 from tests.servers import free_port
 
-CHANGELIST = "admin:django_dlock_lock_changelist"
-BREAK = "admin:django_dlock_lock_break"
+CHANGELIST = "admin:django_dlock_locklisting_changelist"
+BREAK = "admin:django_dlock_locklisting_break"
 LOCMEM = {"default": {"BACKEND": "django_dlock.backends.locmem.LocMemBackend"}}
 XSS = "<script>alert(1)</script>"
 
@@ -304,3 +304,20 @@ def test_the_admin_log_shows_breaks(admin_client: Client, name: str) -> None:
     index = admin_client.get(reverse("admin:index"))
     assert index.status_code == 200
     assert name in index.content.decode()  # "Recent actions"
+
+
+def test_the_url_names_from_before_the_rename_still_reverse() -> None:
+    """The admin model was ``Lock`` (URL names django_dlock_lock_*) until 0003."""
+    assert reverse("admin:django_dlock_lock_changelist") == reverse(CHANGELIST)
+    assert reverse("admin:django_dlock_lock_break") == reverse(BREAK)
+    assert reverse(CHANGELIST) == "/admin/django_dlock/locklisting/"
+
+
+@pytest.mark.django_db
+def test_the_rename_keeps_the_content_type_and_its_permissions() -> None:
+    codenames = set(
+        Permission.objects.filter(
+            content_type__app_label="django_dlock", content_type__model="locklisting"
+        ).values_list("codename", flat=True)
+    )
+    assert codenames == {"view_lock", "break_lock"}

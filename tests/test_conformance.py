@@ -265,6 +265,58 @@ def test_list_by_prefix(backend_alias: str, backend: BaseLockBackend, name: str)
     assert backend.list(name) == []
 
 
+def test_get_gives_the_listed_lease_of_one_name(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    assert backend.get(name) is None
+    with lock(name, backend=backend_alias, metadata={"note": "nightly"}) as held:
+        info = backend.get(name)
+        [listed] = backend.list(name)
+        assert info is not None
+        assert (info.name, info.token, info.holder) == (listed.name, listed.token, listed.holder)
+        assert (info.name, info.token, info.backend) == (name, held.token, backend_alias)
+        assert info.holder["note"] == "nightly"
+        assert 0 < info.expires_in <= 30
+    assert backend.get(name) is None
+
+
+def test_get_matches_the_exact_name_not_a_prefix(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    with lock(f"{name}:b", backend=backend_alias):
+        assert backend.get(name) is None
+        assert backend.get(f"{name}:") is None
+        info = backend.get(f"{name}:b")
+        assert info is not None and info.name == f"{name}:b"
+
+
+def test_get_of_an_expired_lease_is_none(
+    backend_alias: str, backend: BaseLockBackend, name: str, short_ttl: float, past_expiry: float
+) -> None:
+    held = lock(name, backend=backend_alias, ttl=short_ttl, renew=False).acquire()
+    assert backend.get(name) is not None
+    time.sleep(past_expiry)
+    assert backend.get(name) is None
+    assert held.lost
+
+
+@pytest.mark.parametrize(
+    ("bad", "what"),
+    [("a\x00b", "NUL"), ("x\ud800y", "surrogate")],
+    ids=["nul", "surrogate"],
+)
+def test_get_refuses_bad_names_as_list_does(
+    backend: BaseLockBackend, name: str, bad: str, what: str
+) -> None:
+    odd = f"{name}:{bad}"
+    with pytest.raises(ValueError, match=what):
+        backend.list(odd)
+    with pytest.raises(ValueError, match=what):
+        backend.get(odd)
+    with pytest.raises(TypeError):
+        backend.get(None)  # type: ignore[arg-type]
+
+
 def test_break(backend_alias: str, backend: BaseLockBackend, name: str) -> None:
     broken: list[str] = []
 
@@ -521,8 +573,55 @@ def test_waiting_does_not_spin(
     # A busy loop makes thousands of attempts a second. Backing off (2 ms
     # doubling to 100 ms) makes under 20; being woken makes one or two.
     assert 1 <= attempts <= 40, attempts
-    if backend.wakes_waiters:
+    if backend.supports_wakeups:
         assert attempts <= 3, attempts
+
+
+def test_waiters_are_served_in_arrival_order(
+    backend_alias: str, backend: BaseLockBackend, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter arrives with its first attempt; a fair backend serves them in that order."""
+    if not backend.supports_fair:
+        pytest.skip(
+            f"{backend_alias} does not declare supports_fair: "
+            "waiters are not served in arrival order"
+        )
+    original = backend.attempt_class.try_acquire
+    tried: set[int] = set()
+    arrived = threading.Condition()
+
+    def observed(self: Attempt) -> Any:
+        result = original(self)
+        with arrived:
+            tried.add(threading.get_ident())
+            arrived.notify_all()
+        return result
+
+    holder = lock(name, backend=backend_alias).acquire()
+    monkeypatch.setattr(backend.attempt_class, "try_acquire", observed)
+    order: list[tuple[int, int]] = []
+
+    def waiter(i: int) -> None:
+        with lock(name, backend=backend_alias, timeout=60) as held:
+            order.append((i, held.token))
+
+    threads = []
+    for i in range(6):
+        thread = threading.Thread(target=waiter, args=(i,))
+        thread.start()
+        threads.append(thread)
+        # The next waiter starts only once this one has made its first attempt.
+        with arrived:
+            assert arrived.wait_for(lambda t=thread: t.ident in tried, 30), f"waiter {i}"
+    holder.release()
+    for thread in threads:
+        thread.join(60)
+    assert [i for i, _ in order] == list(range(6))
+    tokens = [holder.token] + [t for _, t in order]
+    assert all(a < b for a, b in itertools.pairwise(tokens)), tokens
+    # Nobody is left in line: the lock is free to the next caller at once.
+    with lock(name, backend=backend_alias, timeout=0):
+        pass
 
 
 def test_waiter_is_not_stranded_when_the_holder_never_releases(

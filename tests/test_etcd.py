@@ -227,30 +227,6 @@ def _queue_length(endpoint: str, name: str) -> int:
     return len(keys(endpoint, f"dlock/{name}/"))
 
 
-def test_waiters_are_served_in_arrival_order(single: EtcdServer, name: str) -> None:
-    holder = lock(name, backend="etcd").acquire()
-    order: list[tuple[int, int]] = []
-    threads = []
-    for i in range(6):
-
-        def waiter(i: int = i) -> None:
-            with lock(name, backend="etcd", timeout=60) as held:
-                order.append((i, held.token))
-                time.sleep(0.01)
-
-        thread = threading.Thread(target=waiter)
-        thread.start()
-        threads.append(thread)
-        # The next waiter starts only once this one has its key in the queue.
-        wait_for(lambda i=i: _queue_length(single.endpoint, name) == i + 2, 10, "queued")
-    holder.release()
-    for thread in threads:
-        thread.join(60)
-    assert [i for i, _ in order] == list(range(6))
-    tokens = [holder.token] + [t for _, t in order]
-    assert all(a < b for a, b in itertools.pairwise(tokens)), tokens
-
-
 def test_waiter_that_gives_up_leaves_the_queue(single: EtcdServer, name: str) -> None:
     with lock(name, backend="etcd"):
         with pytest.raises(LockTimeout):

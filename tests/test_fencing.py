@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -12,15 +13,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import django
 import pytest
 from django.conf import settings
-from django.db import connections, transaction
+from django.db import connections, models, transaction
 from django.db.models.signals import post_save
 
 from django_dlock import LockTimeout, StaleWrite, lock
 from django_dlock.backends.base import BaseLockBackend
-from django_dlock.fencing import fenced_update
-from django_dlock.saves import lock_name, locked_delete, locked_save
+from django_dlock.fencing import FencedModel, fenced_update
+from django_dlock.saves import instance_lock_name, locked_delete, locked_save
 from tests.models import Document, LockedDocument, LockedNote
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,7 +139,7 @@ def test_a_stale_locked_save_does_not_undo_a_newer_locked_delete() -> None:
     doc = Document(title="x")
     doc.save()
     stale = Document.objects.get(pk=doc.pk)
-    older = lock(lock_name(doc), backend="db-sqlite").acquire()
+    older = lock(instance_lock_name(doc), backend="db-sqlite").acquire()
     older.release()  # A's lease ended (in the story: it expired while A paused)
     locked_delete(doc, backend="db-sqlite")  # B, with a newer token
     with pytest.raises(StaleWrite):
@@ -162,7 +164,7 @@ def test_a_paused_holders_write_is_refused(
     backend_alias: str, backend: BaseLockBackend, name: str, tmp_path: Path
 ) -> None:
     """etcd's contrib/lock scenario: A pauses past its lease, B writes, A resumes and writes."""
-    if not backend.shared_across_processes:
+    if not backend.supports_multiprocess:
         pytest.skip(f"{type(backend).__name__} keeps its locks in one process's memory")
     db = settings.CONFORMANCE_BACKENDS[backend_alias] or "default"
     doc = Document(title="pause", body="initial")
@@ -216,8 +218,8 @@ def test_locked_save_takes_the_lock_and_fences_with_its_token() -> None:
     held = locked_save(doc, backend="locmem")
     assert held.released
     assert Document.objects.get(pk=doc.pk).fence == held.token
-    assert lock_name(doc) == f"tests.document:{doc.pk}"
-    with lock(lock_name(doc), backend="locmem"):
+    assert instance_lock_name(doc) == f"tests.document:{doc.pk}"
+    with lock(instance_lock_name(doc), backend="locmem"):
         with pytest.raises(LockTimeout):
             locked_save(doc, backend="locmem", timeout=0)
     locked_delete(doc, backend="locmem")
@@ -235,7 +237,7 @@ def test_the_mixin_locks_save_and_delete() -> None:
     doc.save()
     assert LockedDocument.objects.get(pk=doc.pk).fence > first
     doc.lock_timeout = 0
-    with lock(lock_name(doc), backend="locmem"):
+    with lock(instance_lock_name(doc), backend="locmem"):
         with pytest.raises(LockTimeout):
             doc.save()
         with pytest.raises(LockTimeout):
@@ -268,7 +270,7 @@ def _held_elsewhere(name: str) -> bool:
 @pytest.mark.django_db(transaction=True)
 def test_release_on_commit_holds_the_lock_until_the_transaction_commits() -> None:
     note = LockedNote.objects.create(text="a")
-    name = lock_name(note)
+    name = instance_lock_name(note)
     with transaction.atomic():
         note.text = "b"
         note.save()
@@ -280,7 +282,7 @@ def test_release_on_commit_holds_the_lock_until_the_transaction_commits() -> Non
 @pytest.mark.django_db(transaction=True)
 def test_release_on_commit_releases_on_rollback_and_savepoint_rollback() -> None:
     note = LockedNote.objects.create(text="a")
-    name = lock_name(note)
+    name = instance_lock_name(note)
     with pytest.raises(RuntimeError), transaction.atomic():
         note.save()
         assert _held_elsewhere(name)
@@ -298,5 +300,21 @@ def test_release_on_commit_releases_on_rollback_and_savepoint_rollback() -> None
 
 def test_lock_names_need_a_primary_key() -> None:
     with pytest.raises(ValueError, match="before it has a primary key"):
-        lock_name(Document(title="x"))
-    assert lock_name(Document(pk=3, title="x"), "doc:{title}:{pk}") == "doc:x:3"
+        instance_lock_name(Document(title="x"))
+    assert instance_lock_name(Document(pk=3, title="x"), "doc:{title}:{pk}") == "doc:x:3"
+
+
+def test_the_do_update_that_fenced_model_overrides_has_the_pinned_signature() -> None:
+    """FencedModel._do_update relies on Model._do_update's parameters (fencing.py).
+
+    Django 4.2 to 5.2 take six and return a bool; 6.0 added ``returning_fields``
+    and returns a list. A Django that changes them again fails here first.
+    """
+    expected = ["self", "base_qs", "using", "pk_val", "values", "update_fields", "forced_update"]
+    if django.VERSION >= (6, 0):
+        expected.append("returning_fields")
+    parameters = inspect.signature(models.Model._do_update).parameters
+    assert list(parameters) == expected, django.get_version()
+    assert {p.kind for p in parameters.values()} == {inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    override = list(inspect.signature(FencedModel._do_update).parameters)
+    assert override == [*expected[:7], "args", "kwargs"]

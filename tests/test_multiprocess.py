@@ -72,7 +72,7 @@ def database_settings(alias: str) -> dict[str, Any]:
 def test_eight_processes_lose_no_updates(
     backend_alias: str, backend: BaseLockBackend, tmp_path: Path
 ) -> None:
-    if not backend.shared_across_processes:
+    if not backend.supports_multiprocess:
         pytest.skip(f"{type(backend).__name__} keeps its locks in one process's memory")
     processes, sections = 8, 200
     database = settings.CONFORMANCE_BACKENDS[backend_alias]

@@ -112,27 +112,6 @@ def _queued_waiter(name: str, position: int, **kwargs: Any) -> tuple[threading.T
     return thread, got
 
 
-def test_fair_waiters_are_served_in_arrival_order(name: str) -> None:
-    holder = lock(name, backend="redis-fair").acquire()
-    order: list[int] = []
-
-    def waiter(i: int) -> None:
-        with lock(name, backend="redis-fair", timeout=30):
-            order.append(i)
-
-    threads = []
-    for i in range(6):
-        thread = threading.Thread(target=waiter, args=(i,))
-        thread.start()
-        threads.append(thread)
-        wait_for(lambda i=i: len(_queue(name)) == i + 1, 10, f"waiter {i} queued")
-    holder.release()
-    for thread in threads:
-        thread.join(60)
-    assert order == list(range(6))
-    assert _queue(name) == []
-
-
 def test_fair_waiter_that_gives_up_leaves_the_queue(name: str) -> None:
     holder = lock(name, backend="redis-fair").acquire()
     gave_up = threading.Event()

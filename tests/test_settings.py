@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.test import override_settings
 
+import django_dlock.checks
 from django_dlock import lock, locks
 from django_dlock.backends.database import DatabaseBackend
 from django_dlock.backends.locmem import LocMemBackend
@@ -162,3 +165,16 @@ def test_key_prefix_separates_namespaces() -> None:
             assert [i.name for i in locks["default"].list("shared")] == ["shared-name"]
             assert [i.token for i in locks["b"].list("shared")] == [b.token]
             assert a.token != 0
+
+
+def test_every_check_id_is_listed() -> None:
+    """Each check id the package uses is in checks.py's docstring and docs/checks.md."""
+    root = Path(django_dlock.__file__).parent
+    used = set()
+    for path in root.rglob("*.py"):
+        used.update(re.findall(r"django_dlock\.[EW]\d{3}", path.read_text()))
+    assert {"django_dlock.E001", "django_dlock.W001", "django_dlock.W002"} <= used
+    docstring = django_dlock.checks.__doc__ or ""
+    table = (root.parent / "docs" / "checks.md").read_text()
+    assert sorted(used - set(re.findall(r"``(django_dlock\.[EW]\d{3})``", docstring))) == []
+    assert sorted(used - set(re.findall(r"\| `(django_dlock\.[EW]\d{3})` \|", table))) == []

@@ -25,6 +25,9 @@ to ``do_acquire``; ``docs/development.md`` walks through writing one.
     ``token`` when that is not None; return whether a lease was deleted.
 ``do_list(prefix)``
     The live leases whose names start with ``prefix``.
+``do_get(name)``
+    The live lease on exactly ``name`` (a :class:`LockInfo`, as ``do_list``
+    gives it), or None; one lookup, not a listing by prefix.
 ``ado_release`` / ``ado_extend`` / ``ado_check``
     The same, awaitable, for the async API. The defaults run the sync
     primitive in a worker thread; a backend that sets ``native_async`` talks
@@ -52,8 +55,10 @@ to ``do_acquire``; ``docs/development.md`` walks through writing one.
     Release a handed-over lease that nobody adopted; owner-checked like
     ``do_release`` (the default calls it), so it is False once adopted.
 
-Capabilities are declared as class attributes, and the conformance suite
-skips, with the reason, what a backend declares it cannot do.
+Capabilities are declared as attributes (``supports_fair``,
+``supports_wakeups``, ``supports_multiprocess``, ``supports_shared_leases``),
+and the conformance suite skips, with the reason, what a backend declares it
+cannot do.
 """
 
 from __future__ import annotations
@@ -123,12 +128,14 @@ logger = logging.getLogger("django_dlock")
 class BaseLockBackend:
     """Settings, the blocking loop and the public backend API; see the module docstring."""
 
-    #: Can serve waiters in arrival order (Redis: with ``OPTIONS={"fair": True}``).
-    supports_fair: ClassVar[bool] = False
-    #: A release wakes waiters (no backoff sleep between attempts).
-    wakes_waiters: ClassVar[bool] = False
-    #: Processes on one machine (or several) see the same locks.
-    shared_across_processes: ClassVar[bool] = True
+    #: Are waiters served in the order they first asked? A backend where an
+    #: option decides (Redis's ``OPTIONS={"fair": True}``) sets it per
+    #: instance, so it is not a ClassVar.
+    supports_fair: bool = False
+    #: Does a release wake waiters (no backoff sleep between attempts)?
+    supports_wakeups: ClassVar[bool] = False
+    #: Do processes on one machine (or several) see the same locks?
+    supports_multiprocess: ClassVar[bool] = True
     #: Shortest lease the service grants, in seconds. A shorter TTL is rounded
     #: up: the lease lasts longer than asked, never shorter (etcd: 1 s).
     min_ttl: ClassVar[float] = 0.001
@@ -228,6 +235,9 @@ class BaseLockBackend:
         raise NotImplementedError
 
     def do_list(self, prefix: str) -> list[LockInfo]:
+        raise NotImplementedError
+
+    def do_get(self, name: str) -> LockInfo | None:
         raise NotImplementedError
 
     def do_detach(self, name: str, owner: str) -> Any:
@@ -431,6 +441,10 @@ class BaseLockBackend:
         """Live leases whose names start with ``prefix``, sorted by name."""
         prefix = validate_name(prefix, what="A lock name prefix")
         return sorted(self.do_list(prefix), key=attrgetter("name"))
+
+    def get(self, name: str) -> LockInfo | None:
+        """The live lease on ``name``, or None when nobody holds it; one lookup."""
+        return self.do_get(validate_name(name))
 
     def break_lock(self, name: str, token: int | None = None) -> bool:
         """Delete the lease on ``name`` whoever holds it; False if nothing was held.

@@ -147,6 +147,7 @@ class _Statements:
     break_: str
     break_token: str
     list: str
+    get: str
     version: str
 
 
@@ -252,6 +253,13 @@ def _statements(vendor: str, table: str) -> _Statements:
             f" WHERE expires_at_us > {now}"
             f" AND {binary.format('namespace')} = {binary.format('%s')}"
             f" AND {binary.format('substr(name, 1, %s)')} = {binary.format('%s')}"
+        ),
+        # The live lease on one name, by its primary key.
+        # params: digest
+        # returns: one row (the columns of list) if the lease is live, else none.
+        get=(
+            f"SELECT name, fence, holder, acquired_at_us, expires_at_us, {now} FROM {table}"
+            f" WHERE digest = %s AND expires_at_us > {now}"
         ),
         # params: none; returns: one row, the server's name and version.
         version=_VERSION[vendor],
@@ -551,19 +559,28 @@ class DatabaseBackend(BaseLockBackend):
             cursor.execute(sql.list, [self.key_prefix, len(prefix), prefix])
             return list(cursor.fetchall())
 
-        rows = self._retry_busy(prefix, run)
-        return [
-            LockInfo(
-                backend=self.alias,
-                name=name,
-                token=int(fence),
-                holder=load_holder(holder),
-                acquired_at=micros_to_datetime(int(acquired_us)),
-                expires_at=micros_to_datetime(int(expires_us)),
-                expires_in=(int(expires_us) - int(now_us)) / 1_000_000,
-            )
-            for name, fence, holder, acquired_us, expires_us, now_us in rows
-        ]
+        return [self._info(row) for row in self._retry_busy(prefix, run)]
+
+    def do_get(self, name: str) -> LockInfo | None:
+        def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> Any:
+            cursor.execute(sql.get, [self._key(name)])
+            return cursor.fetchone()
+
+        row = self._retry_busy(name, run)
+        return None if row is None else self._info(row)
+
+    def _info(self, row: tuple[Any, ...]) -> LockInfo:
+        """A row of the list or get statement as a LockInfo."""
+        name, fence, holder, acquired_us, expires_us, now_us = row
+        return LockInfo(
+            backend=self.alias,
+            name=name,
+            token=int(fence),
+            holder=load_holder(holder),
+            acquired_at=micros_to_datetime(int(acquired_us)),
+            expires_at=micros_to_datetime(int(expires_us)),
+            expires_in=(int(expires_us) - int(now_us)) / 1_000_000,
+        )
 
 
 def _wall_us() -> int:

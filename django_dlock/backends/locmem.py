@@ -68,9 +68,9 @@ class LocMemAttempt(Attempt):
 
 
 class LocMemBackend(BaseLockBackend):
-    wakes_waiters = True
+    supports_wakeups = True
     attempt_class = LocMemAttempt
-    shared_across_processes = False
+    supports_multiprocess = False
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
@@ -151,23 +151,30 @@ class LocMemBackend(BaseLockBackend):
         infos = []
         with self._store.cond:
             now = time.monotonic()
-            wall_now_us = time.time_ns() // 1000
             for key in list(self._store.leases):
                 if key[0] != self.key_prefix or not key[1].startswith(prefix):
                     continue
-                lease = self._live(key, now)
-                if lease is None:
-                    continue
-                remaining = lease.expires - now
-                infos.append(
-                    LockInfo(
-                        backend=self.alias,
-                        name=key[1],
-                        token=lease.token,
-                        holder=load_holder(lease.holder),
-                        acquired_at=micros_to_datetime(lease.acquired_wall_us),
-                        expires_at=micros_to_datetime(wall_now_us + int(remaining * 1e6)),
-                        expires_in=remaining,
-                    )
-                )
+                info = self._info(key, now)
+                if info is not None:
+                    infos.append(info)
         return infos
+
+    def do_get(self, name: str) -> LockInfo | None:
+        with self._store.cond:
+            return self._info(self._key(name), time.monotonic())
+
+    def _info(self, key: tuple[str, str], now: float) -> LockInfo | None:
+        """The live lease under ``key`` as a LockInfo (the store's lock held)."""
+        lease = self._live(key, now)
+        if lease is None:
+            return None
+        remaining = lease.expires - now
+        return LockInfo(
+            backend=self.alias,
+            name=key[1],
+            token=lease.token,
+            holder=load_holder(lease.holder),
+            acquired_at=micros_to_datetime(lease.acquired_wall_us),
+            expires_at=micros_to_datetime(time.time_ns() // 1000 + int(remaining * 1e6)),
+            expires_in=remaining,
+        )
