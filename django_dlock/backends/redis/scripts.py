@@ -2,9 +2,9 @@
 
 Each script runs atomically on the server. They are sent as ``EVALSHA`` and
 loaded again after ``NOSCRIPT`` (a restart, ``SCRIPT FLUSH``); see
-``_Node.run``. The queue's machinery (``grant``, ``live_head``, ``hand_off``)
-is written out in every script that needs it, so that each one reads on its
-own; ``tests/test_redis.py`` checks that the copies agree.
+``connections.Node.run``. The queue's machinery (``grant``, ``live_head``,
+``hand_off``) is written out in every script that needs it, so that each one
+reads on its own; ``tests/test_redis.py`` checks that the copies agree.
 
 The lock scripts ACQUIRE, RELEASE, BREAK and ABANDON share one key layout:
 KEYS[1] lock, KEYS[2] fence hash, KEYS[3] index zset, KEYS[4] queue list
