@@ -24,44 +24,15 @@ from redis import Redis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import (
-    AuthenticationError,
-    AuthenticationWrongNumberOfArgsError,
-    AuthorizationError,
-    BusyLoadingError,
-    ClusterDownError,
-    NoPermissionError,
-    RedisError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from ...exceptions import BackendUnavailable, LockConfigurationError
 from ..base import BaseLockBackend, Grant, LockInfo
 from .aio import AsyncNode
-from .connections import Node, as_bytes, redacted, server_version, text
+from .connections import Node, as_bytes, redacted, server_version, text, transient
 from .listing import get_lease, list_node
 from .scripts import ABANDON, ACQUIRE, EXTEND, RELEASE, WAITER_LEASE_MS
-
-#: Errors that say the server refused who we are or what we may do: acquire
-#: does not retry them (see BackendUnavailable.transient).
-_REFUSED_WHO = (
-    AuthenticationError,
-    AuthenticationWrongNumberOfArgsError,
-    AuthorizationError,
-    NoPermissionError,
-)
-
-#: Errors that ``acquire()`` retries while its timeout lasts.
-_TRANSIENT = (
-    RedisConnectionError,
-    RedisTimeoutError,
-    BusyLoadingError,
-    ClusterDownError,
-    TryAgainError,
-)
 
 #: Longest single blocking wait; waiters re-check at least this often.
 WAIT_CAP = 1.0
@@ -296,11 +267,7 @@ class RedisBackend(BaseLockBackend):
             f"Redis at {node.label} failed{what} on backend {self.alias!r}: {error}",
             name=name,
             backend=self.alias,
-            # NOAUTH, WRONGPASS, NOPERM: only new settings (or ACLs) fix these.
-            # Only a server that did not answer, or is loading or failing
-            # over, is worth waiting for; a script error (a TTL out of range,
-            # a key of the wrong type) or a refused login fails every time.
-            transient=isinstance(error, _TRANSIENT) and not isinstance(error, _REFUSED_WHO),
+            transient=transient(error),
         )
 
     # --- keys -------------------------------------------------------------------------

@@ -9,11 +9,50 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    BusyLoadingError,
+    ClusterDownError,
+    NoPermissionError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .scripts import ABANDON, ACQUIRE, ADOPT, BREAK, EXTEND, GET, LIST, RELEASE, LuaScript
+
+#: Errors that say the server refused who we are or what we may do: acquire
+#: does not retry them (see BackendUnavailable.transient).
+_REFUSED_WHO = (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    NoPermissionError,
+)
+
+#: Errors that ``acquire()`` retries while its timeout lasts.
+_TRANSIENT = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    BusyLoadingError,
+    ClusterDownError,
+    TryAgainError,
+)
+
+
+def transient(error: Exception) -> bool:
+    """Whether waiting may cure ``error`` (``BackendUnavailable.transient``).
+
+    NOAUTH, WRONGPASS, NOPERM: only new settings (or ACLs) fix these. Only a
+    server that did not answer, or is loading or failing over, is worth
+    waiting for; a script error (a TTL out of range, a key of the wrong
+    type) or a refused login fails every time.
+    """
+    return isinstance(error, _TRANSIENT) and not isinstance(error, _REFUSED_WHO)
 
 
 class Node:
