@@ -161,10 +161,12 @@ class RedisTarget(Target):
         for server in self.servers:
             host, port = run.lock_address(server.port)
             urls.append(f"redis://{host}:{port}/0")
-        location: Any = urls[0] if len(urls) == 1 else urls
         options = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
-        return {"BACKEND": "django_dlock.backends.redis.RedisBackend",
-                "LOCATION": location, "OPTIONS": options}, {}  # fmt: skip
+        if len(urls) == 1:
+            return {"BACKEND": "django_dlock.backends.redis.RedisBackend",
+                    "LOCATION": urls[0], "OPTIONS": options}, {}  # fmt: skip
+        return {"BACKEND": "django_dlock.backends.redis.RedlockBackend",
+                "LOCATION": urls, "OPTIONS": options}, {}  # fmt: skip
 
     def inject(self, fault: str) -> None:
         assert fault == "restart"

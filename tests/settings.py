@@ -136,7 +136,7 @@ if shutil.which("redis-server") and shutil.which("redis-cli"):
             },
             # Redlock over three masters; the tests keep the third one stopped.
             "redlock": {
-                "BACKEND": _REDIS,
+                "BACKEND": "django_dlock.backends.redis.RedlockBackend",
                 "LOCATION": [f"redis://127.0.0.1:{p}/0" for p in REDIS_PORTS["redlock"]],
             },
             "redis-django": {

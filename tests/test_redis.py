@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,17 +24,27 @@ from typing import Any
 
 import pytest
 import redis
+from django.core import checks
 from django.test import override_settings
 
 from django_dlock import BackendUnavailable, LockTimeout, lock, locks
 from django_dlock.backends.base import Grant
-from django_dlock.backends.redis import HANDOVER_LEASE_MS, WAITER_LEASE_MS, RedisBackend
+from django_dlock.backends.redis import (
+    HANDOVER_LEASE_MS,
+    SIGNAL_TTL_MS,
+    WAITER_LEASE_MS,
+    RedisBackend,
+    RedlockBackend,
+    scripts,
+)
 from django_dlock.checks import check_backends
+from django_dlock.exceptions import LockConfigurationError
 from tests.netproxy import Proxy
 from tests.servers import RedisServer, free_port, redis_cli, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS = "django_dlock.backends.redis.RedisBackend"
+REDLOCK = "django_dlock.backends.redis.RedlockBackend"
 
 pytestmark = pytest.mark.usefixtures("redis_servers")
 
@@ -201,10 +214,10 @@ def test_cluster_spreads_locks_over_masters(redis_servers: dict[str, Any], name:
             h.release()
 
 
-def _redlock(redis_servers: dict[str, Any]) -> tuple[RedisBackend, list[RedisServer]]:
+def _redlock(redis_servers: dict[str, Any]) -> tuple[RedlockBackend, list[RedisServer]]:
     """The Redlock backend and its two running masters (the third is kept stopped)."""
     backend = locks["redlock"]
-    assert isinstance(backend, RedisBackend)
+    assert isinstance(backend, RedlockBackend)
     live = [s for s in redis_servers["redlock"] if s.process is not None]
     assert len(live) == 2
     return backend, live
@@ -258,7 +271,7 @@ def test_redlock_undo_follows_a_slow_grant(name: str) -> None:
     server = RedisServer(free_port()).start()
     proxy = Proxy(server.port)
     dead = [f"redis://127.0.0.1:{free_port()}/0" for _ in range(2)]
-    backend = RedisBackend(
+    backend = RedlockBackend(
         "redlock-slow", {"LOCATION": [proxy.url, *dead], "OPTIONS": {"socket_timeout": 2}}
     )
     try:
@@ -377,12 +390,134 @@ def test_bad_redis_settings_are_check_errors(params: dict[str, Any], mentions: s
     assert mentions in errors[0].msg and "'r'" in errors[0].msg
 
 
-def test_even_redlock_is_a_warning() -> None:
+@pytest.mark.parametrize(
+    ("path", "ids"),
+    [(REDLOCK, ["django_dlock.W001"]), (REDIS, ["django_dlock.W001", "django_dlock.W003"])],
+)
+def test_even_redlock_is_a_warning(path: str, ids: list[str]) -> None:
     setting = {
-        "default": {"BACKEND": REDIS, "LOCATION": ["redis://a", "redis://b"]},
+        "default": {"BACKEND": path, "LOCATION": ["redis://a", "redis://b"]},
     }
+    with override_settings(DLOCK_BACKENDS=setting), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # RedisBackend's: tested below
+        assert [e.id for e in check_backends()] == ids
+
+
+def test_a_list_location_on_redis_backend_is_deprecated_redlock(
+    redis_servers: dict[str, Any], name: str
+) -> None:
+    """Django's RedisCache reads a list as a primary and replicas; here it was always Redlock."""
+    urls = [s.url for s in redis_servers["redlock"]]
+    with pytest.warns(DeprecationWarning, match="RedlockBackend"):
+        backend = RedisBackend("listed", {"LOCATION": urls})
+    try:
+        assert isinstance(backend, RedlockBackend)
+        [warning] = backend.check()
+        assert warning.id == "django_dlock.W003" and isinstance(warning, checks.Warning)
+        assert "RedlockBackend" in warning.msg and "RedisCache" in (warning.hint or "")
+        # It still behaves as Redlock: the lease is on both running masters.
+        held = backend.acquire(name, timeout=0)
+        lock_key = backend._keys(name).lock
+        assert [raw(s).exists(lock_key) for s in redis_servers["redlock"][:2]] == [1, 1]
+        held.release()
+    finally:
+        backend.close()
+    setting = {"default": {"BACKEND": REDIS, "LOCATION": urls}}
+    with override_settings(DLOCK_BACKENDS=setting), pytest.warns(DeprecationWarning):
+        assert [e.id for e in check_backends()] == ["django_dlock.W003"]
+
+
+def test_redlock_backend_is_not_deprecated(redis_servers: dict[str, Any]) -> None:
+    urls = [s.url for s in redis_servers["redlock"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend = RedlockBackend("listed", {"LOCATION": urls})
+    assert backend.check() == []
+
+
+@pytest.mark.parametrize("location", ["redis://127.0.0.1:6379/0", ["redis://127.0.0.1:6379/0"]])
+def test_redlock_backend_needs_a_list_of_masters(location: Any) -> None:
+    with pytest.raises(LockConfigurationError, match="RedisBackend"):
+        RedlockBackend("one", {"LOCATION": location})
+    setting = {"default": {"BACKEND": "django_dlock.backends.locmem.LocMemBackend"}}
+    setting["r"] = {"BACKEND": REDLOCK, "LOCATION": location}
     with override_settings(DLOCK_BACKENDS=setting):
-        assert [e.id for e in check_backends()] == ["django_dlock.W001"]
+        errors = list(check_backends())
+    assert [e.id for e in errors] == ["django_dlock.E006"], errors
+    assert "'r'" in errors[0].msg and "list" in errors[0].msg
+
+
+@pytest.mark.parametrize("alias", ["redis", "redis-cluster", "redlock"])
+def test_get_reads_the_lease_on_exactly_one_name(
+    alias: str, name: str, redis_servers: dict[str, Any]
+) -> None:
+    backend = locks[alias]
+    assert isinstance(backend, RedisBackend)
+    assert backend.do_get(name) is None
+    with lock(f"{name}:child", backend=alias):
+        assert backend.do_get(name) is None  # a name, not a prefix
+        with lock(name, backend=alias, metadata={"note": "get"}) as held:
+            info = backend.do_get(name)
+            assert info is not None
+            assert (info.backend, info.name, info.token) == (alias, name, held.token)
+            assert info.holder["note"] == "get"
+            assert 0 < info.expires_in <= 30
+            [listed] = [i for i in backend.do_list(name) if i.name == name]
+            assert (info.token, info.holder, info.acquired_at) == (
+                listed.token,
+                listed.holder,
+                listed.acquired_at,
+            )
+    assert backend.do_get(name) is None
+
+
+def test_redlock_get_reads_what_a_majority_holds(redis_servers: dict[str, Any], name: str) -> None:
+    """One master stopped: a lease on the other two is found, one on a single master is not."""
+    backend, live = _redlock(redis_servers)
+    with lock(name, backend="redlock") as held:
+        info = backend.do_get(name)
+        assert info is not None and info.token == held.token
+    lock_key = backend._keys(name).lock
+    raw(live[1]).set(lock_key, f"someone:{2**40}:{2**40}:{{}}", px=30_000)
+    try:
+        assert backend.do_get(name) is None  # a minority: one master of three
+        raw(live[0]).set(lock_key, f"someone:{2**40}:{2**40}:{{}}", px=30_000)
+        info = backend.do_get(name)
+        assert info is not None and info.token == 2**40
+    finally:
+        for server in live:
+            raw(server).delete(lock_key)
+
+
+def _lua_functions(text: str) -> dict[str, str]:
+    return {
+        m.group(2): textwrap.dedent(m.group(0))
+        for m in re.finditer(r"^( *)local function (\w+)\(.*?^\1end$", text, re.S | re.M)
+    }
+
+
+def test_the_scripts_copies_of_the_queue_functions_agree() -> None:
+    """Each script is one literal (issue 17); the functions written into several must agree."""
+    copies: dict[str, set[str]] = {}
+    for script in scripts.ALL.values():
+        for fn, body in _lua_functions(script.text).items():
+            copies.setdefault(fn, set()).add(body)
+    assert {"grant", "live_head", "hand_off", "enqueue"} <= set(copies)
+    assert {fn: len(bodies) for fn, bodies in copies.items()} == dict.fromkeys(copies, 1)
+
+
+def test_the_scripts_use_the_constants_they_name() -> None:
+    values = {"HANDOVER_LEASE_MS": HANDOVER_LEASE_MS, "SIGNAL_TTL_MS": SIGNAL_TTL_MS}
+    marked = 0
+    for script in scripts.ALL.values():
+        lines = script.text.splitlines()
+        for i, line in enumerate(lines):
+            code, _, comment = line.partition("--")
+            for constant, value in values.items():
+                if comment.strip().rstrip(":") == constant:
+                    marked += 1
+                    assert str(value) in (code if code.strip() else lines[i + 1]), line
+    assert marked == 11
 
 
 def test_unreachable_server_is_unavailable(name: str) -> None:
@@ -544,7 +679,7 @@ def test_no_thread_starves(alias: str, name: str) -> None:
 def test_redlock_waiters_never_queue(name: str) -> None:
     """A queue on each master would hand the lock over master by master, not by majority."""
     backend = locks["redlock"]
-    assert isinstance(backend, RedisBackend)
+    assert isinstance(backend, RedlockBackend)
     assert isinstance(backend.do_acquire(name, "holder", 30, "{}"), Grant | int)
     backend.do_acquire(name, "waiter", 30, "{}")
     backend._waiter("waiter").since -= 10  # type: ignore[union-attr]  # long past STARVE_AFTER
@@ -561,9 +696,9 @@ def test_redlock_waiters_never_queue(name: str) -> None:
 def test_list_reads_the_index_page_by_page(
     alias: str, name: str, redis_servers: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from django_dlock.backends import redis as redis_backend
+    from django_dlock.backends.redis import listing
 
-    monkeypatch.setattr(redis_backend, "LIST_PAGE", 3)
+    monkeypatch.setattr(listing, "LIST_PAGE", 3)
     held = [lock(f"{name}:{i:02d}", backend=alias).acquire() for i in range(10)]
     try:
         listed = locks[alias].list(name)
@@ -723,10 +858,10 @@ def test_redlock_rides_out_a_master_that_never_answers(name: str) -> None:
 
     masters = [RedisServer(free_port()).start() for _ in range(2)]
     hole = socket.create_server(("127.0.0.1", 0), backlog=128)  # never accepts, never answers
-    backend = RedisBackend(
+    backend = RedlockBackend(
         "hole",
         {
-            "BACKEND": REDIS,
+            "BACKEND": REDLOCK,
             "LOCATION": [
                 *(m.url for m in masters),
                 f"redis://127.0.0.1:{hole.getsockname()[1]}/0",

@@ -1,0 +1,607 @@
+"""RedisBackend: one server (or a Cluster, or a django-redis pool), one round trip per operation.
+
+The key layout and settings are in the package docstring
+(``django_dlock/backends/redis/__init__.py``), the scripts in ``scripts.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import secrets
+import threading
+import time
+import warnings
+import weakref
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from redis import Redis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from ...exceptions import BackendUnavailable, LockConfigurationError
+from ..base import BaseLockBackend, Grant, LockInfo
+from .aio import AsyncNode
+from .connections import Node, as_bytes, redacted, server_version, text, transient
+from .listing import get_lease, list_node
+from .scripts import ABANDON, ACQUIRE, EXTEND, RELEASE, WAITER_LEASE_MS
+
+#: Longest single blocking wait; waiters re-check at least this often.
+WAIT_CAP = 1.0
+#: Without ``fair``, a waiter that has waited this long joins the queue, and
+#: from then on nobody may barge ahead of it (Go's sync.Mutex starvation mode).
+STARVE_AFTER = 0.1
+
+
+@dataclass
+class Waiter:
+    """What one acquire call has learned while refused; a thread has one at a time."""
+
+    owner: str
+    #: When it was first refused, by our clock (unfair waiters queue after STARVE_AFTER).
+    since: float
+    #: The holder's lease left at the latest refusal, in ms (0: unknown).
+    holder_pttl_ms: int = 0
+    #: Once queued: (our clock when that attempt was sent, server clock in us).
+    queued_at: tuple[float, int] | None = None
+    #: A lease the previous holder handed over, seen by wait().
+    handed: Grant | None = None
+
+
+@dataclass(frozen=True)
+class Keys:
+    lock: str
+    fence: str
+    index: str
+    wake: str
+    waiting: str
+    queue: str
+    queue_deadlines: str
+    queue_info: str
+    signal_prefix: str
+    done_prefix: str
+
+
+def ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+class RedisBackend(BaseLockBackend):
+    """Leases in Redis; see the package docstring for the key layout and scripts."""
+
+    supports_wakeups = True
+    supports_fair = True
+    #: Redlock over independent masters (RedlockBackend)?
+    redlock: ClassVar[bool] = False
+    #: May a waiter join the lock's queue on the server (``fair``, or an
+    #: unfair waiter that has waited STARVE_AFTER)?
+    queues_waiters: ClassVar[bool] = True
+    #: How often a command is resent after its connection failed.
+    retries: ClassVar[int] = 1
+    node_class: ClassVar[type[Node]] = Node
+    #: The class a list of several LOCATIONs builds (deprecated: Redlock). A
+    #: subclass declares itself with ``class ...(RedisBackend, reads_a_list=True)``.
+    _list_class: ClassVar[type[RedisBackend] | None] = None
+    #: Built from a list LOCATION on RedisBackend (deprecated; check W003).
+    configured_as_redis_backend: bool = False
+    allowed_options = frozenset(
+        {
+            "fair",
+            "cluster",
+            "connection",
+            "shards",
+            "socket_timeout",
+            "socket_connect_timeout",
+            "client_kwargs",
+        }
+    )
+
+    def __init_subclass__(cls, reads_a_list: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if reads_a_list:
+            RedisBackend._list_class = cls
+
+    def __new__(cls, alias: str, params: Mapping[str, Any]) -> RedisBackend:
+        if cls is RedisBackend and _several(params.get("LOCATION")) and cls._list_class:
+            # Django's RedisCache reads a list as a primary and its replicas;
+            # here it has always meant Redlock over independent masters.
+            warnings.warn(
+                f"Lock backend {alias!r}: a list LOCATION on RedisBackend means Redlock over "
+                "independent masters; use django_dlock.backends.redis.RedlockBackend.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            backend = super().__new__(cls._list_class)
+            backend.configured_as_redis_backend = True
+            return backend
+        return super().__new__(cls)
+
+    def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
+        super().__init__(alias, params)
+        if "{" in self.key_prefix or "}" in self.key_prefix:
+            raise LockConfigurationError(
+                f"Lock backend {alias!r}: KEY_PREFIX must not contain braces; they would "
+                "change the keys' Redis Cluster hash tag.",
+                alias=alias,
+            )
+        options = self.options
+        self.fair = self._bool_option("fair")
+        self.cluster = self._bool_option("cluster")
+        self.connection_spec = options.get("connection")
+        self.socket_timeout = self._number_option("socket_timeout", 5.0)
+        self.socket_connect_timeout = self._number_option("socket_connect_timeout", 2.0)
+        self.client_kwargs = options.get("client_kwargs") or {}
+        if not isinstance(self.client_kwargs, Mapping):
+            raise LockConfigurationError(
+                f"Lock backend {alias!r}: OPTIONS['client_kwargs'] must be a dict.", alias=alias
+            )
+        self.locations = self._locations()
+        shards = options.get("shards", 16 if self.cluster else 1)
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise LockConfigurationError(
+                f"Lock backend {alias!r}: OPTIONS['shards'] must be a positive int.", alias=alias
+            )
+        self.shards = shards
+        self._blocking_cap = min(WAIT_CAP, self.socket_timeout * 0.8)
+        # How long a RELEASE or BREAK marker lives: long enough for any resend
+        # of that command (each try waits at most socket_timeout).
+        self._done_ms = ms(max(1.0, 2 * self.socket_timeout))
+        self._requests = itertools.count()
+        self._nodes: list[Node] | None = None
+        self._mutex = threading.Lock()
+        # The refused attempt's state, per thread and per asyncio task.
+        self._waiter_var: ContextVar[Waiter | None] = ContextVar(
+            f"django-dlock-waiter-{alias}", default=None
+        )
+        self.native_async = not (self.cluster or self.connection_spec)
+        self._anode = AsyncNode(self.locations[0], lambda: self._client_kwargs(AsyncRetry))
+        self._tags = [f"{{{self.key_prefix}dlock:{s}}}" for s in range(shards)]
+        _backends.add(self)
+        # Building eight key strings per call shows in the uncontended cycle.
+        self._keys = functools.lru_cache(maxsize=4096)(self._make_keys)
+
+    # --- configuration ----------------------------------------------------------------
+
+    def _locations(self) -> list[str]:
+        location = self.location
+        if self.connection_spec is not None:
+            spec = self.connection_spec
+            if not (isinstance(spec, str) and spec.startswith("django-redis:") and spec[13:]):
+                raise self._config_error(
+                    "OPTIONS['connection'] must look like 'django-redis:<cache alias>'."
+                )
+            if location is not None:
+                raise self._config_error(
+                    "give either LOCATION or OPTIONS['connection'], not both."
+                )
+            return [spec]
+        if isinstance(location, str):
+            locations = [location]
+        elif isinstance(location, Sequence) and location and not isinstance(location, bytes):
+            locations = list(location)
+        else:
+            raise self._config_error(
+                "LOCATION must be a redis:// URL or a list of them (Redlock)."
+            )
+        for url in locations:
+            if not isinstance(url, str) or url.split("://", 1)[0] not in (
+                "redis",
+                "rediss",
+                "unix",
+            ):
+                raise self._config_error(f"{url!r} is not a redis://, rediss:// or unix:// URL.")
+        if len(locations) > 1 and not self.redlock:
+            raise self._config_error(
+                "a list of several LOCATIONs is Redlock over independent masters; use "
+                "django_dlock.backends.redis.RedlockBackend."
+            )
+        return locations
+
+    # --- connections ------------------------------------------------------------------
+
+    def _client_for(self, location: str) -> Any:
+        if location.startswith("django-redis:"):
+            from django_redis import get_redis_connection
+
+            client = get_redis_connection(location[13:])
+            pool_timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+            if pool_timeout:
+                # A blocking wait must end before that pool's socket gives up.
+                self._blocking_cap = min(self._blocking_cap, pool_timeout * 0.8)
+            return client
+        kwargs = self._client_kwargs(Retry)
+        if self.cluster:
+            return RedisCluster.from_url(location, **kwargs)
+        return Redis.from_url(location, **kwargs)
+
+    def _client_kwargs(self, retry_class: Any) -> dict[str, Any]:
+        """redis-py client arguments, for the sync clients and the asyncio one."""
+        kwargs: dict[str, Any] = {
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": self.socket_connect_timeout,
+            "health_check_interval": 30,
+            # A Redlock master that is down must cost one refused connection,
+            # not retries; a single server gets one retry (scripts are idempotent).
+            "retry": retry_class(NoBackoff(), self.retries),
+        }
+        kwargs.update(self.client_kwargs)
+        return kwargs
+
+    @property
+    def nodes(self) -> list[Node]:
+        nodes = self._nodes
+        if nodes is None:
+            with self._mutex:
+                if self._nodes is None:
+                    self._nodes = [
+                        self.node_class(
+                            self._client_for(location),
+                            redacted(location),
+                            dedicated=not location.startswith("django-redis:"),
+                            retries=self.retries,
+                        )
+                        for location in self.locations
+                    ]
+                nodes = self._nodes
+        return nodes
+
+    def close(self) -> None:
+        with self._mutex:
+            nodes, self._nodes = self._nodes, None
+        for node in nodes or ():
+            node.close()
+            if not node.label.startswith("django-redis:"):
+                node.client.close()
+
+    def _unavailable(self, name: str, error: Exception, node: Node) -> BackendUnavailable:
+        what = f" for lock {name!r}" if name else ""
+        return BackendUnavailable(
+            f"Redis at {node.label} failed{what} on backend {self.alias!r}: {error}",
+            name=name,
+            backend=self.alias,
+            transient=transient(error),
+        )
+
+    # --- keys -------------------------------------------------------------------------
+
+    def _make_keys(self, name: str) -> Keys:
+        tag = self._tags[zlib.crc32(name.encode()) % self.shards if self.shards > 1 else 0]
+        return Keys(
+            lock=f"{tag}:lock:{name}",
+            fence=f"{tag}:fence",
+            index=f"{tag}:idx",
+            wake=f"{tag}:wake:{name}",
+            waiting=f"{tag}:waiting:{name}",
+            queue=f"{tag}:q:{name}",
+            queue_deadlines=f"{tag}:qt:{name}",
+            queue_info=f"{tag}:qi:{name}",
+            signal_prefix=f"{tag}:sig:",
+            done_prefix=f"{tag}:done:",
+        )
+
+    def _lock_keys(self, k: Keys) -> list[str]:
+        return [
+            k.lock, k.fence, k.index, k.queue, k.queue_deadlines, k.queue_info, k.waiting, k.wake,
+        ]  # fmt: skip
+
+    # --- running a call on the server: RedlockBackend runs it on a quorum -------------
+
+    def _single(self, name: str, call: Callable[[Node], Any]) -> Any:
+        node = self.nodes[0]
+        try:
+            return call(node)
+        except RedisError as e:
+            raise self._unavailable(name, e, node) from e
+
+    def _run_bool(self, name: str, call: Callable[[Node], Any]) -> bool:
+        """Whether ``call`` answered true (Redlock: on a majority of masters)."""
+        return bool(self._single(name, call))
+
+    # --- primitives -------------------------------------------------------------------
+
+    def _waiter(self, owner: str) -> Waiter | None:
+        waiter = self._waiter_var.get()
+        return waiter if waiter is not None and waiter.owner == owner else None
+
+    def _refused(self, owner: str, sent: float) -> Waiter:
+        """This acquire call's Waiter, made at its first refusal."""
+        waiter = self._waiter(owner)
+        if waiter is None:
+            waiter = Waiter(owner, since=sent)
+            self._waiter_var.set(waiter)
+        return waiter
+
+    def _acquire_call(self, name: str, owner: str, ttl: float, holder: str) -> Any:
+        keys, args = self._acquire_args(name, owner, ttl, holder)
+        return lambda node: node.run(node.acquire, keys, args)
+
+    def _acquire_args(
+        self, name: str, owner: str, ttl: float, holder: str
+    ) -> tuple[list[str], list[Any]]:
+        k = self._keys(name)
+        args = [owner, ms(ttl), name, holder, WAITER_LEASE_MS, k.signal_prefix, ""]
+        waiter = self._waiter(owner)
+        starving = waiter is not None and time.monotonic() - waiter.since >= STARVE_AFTER
+        if self.fair or (starving and self.queues_waiters):
+            args[6] = "1"
+        return self._lock_keys(k), args
+
+    def _release_call(self, name: str, owner: str) -> Any:
+        keys, args = self._release_args(name, owner)
+        return lambda node: node.run(node.release, keys, args)
+
+    def _release_args(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
+        k = self._keys(name)
+        # The marker names this request, so that a resend of it finds it but a
+        # second release of the same owner (a ticket released twice) does not.
+        keys = [*self._lock_keys(k), f"{k.done_prefix}{owner}:{next(self._requests)}"]
+        args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix, "", self._done_ms]
+        return keys, args
+
+    def _outcome(self, reply: Any, owner: str, sent: float) -> int | Grant | None:
+        """Read an acquire reply; on a refusal, note what wait() needs."""
+        if isinstance(reply, list):
+            first, second = int(reply[0]), int(reply[1])
+            if first > 0:
+                # Ours already: the service had PTTL left when it answered,
+                # which was no earlier than `sent`.
+                return Grant(first, sent + second / 1000, second / 1000)
+            pttl_ms, queued_at = -first - 1, (sent, second)
+        else:
+            result = int(reply)
+            if result > 0:
+                return result
+            pttl_ms, queued_at = -result - 1, None
+        waiter = self._refused(owner, sent)
+        waiter.holder_pttl_ms = pttl_ms
+        if queued_at is not None:
+            waiter.queued_at = queued_at
+        return None
+
+    def do_acquire(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
+    ) -> int | Grant | None:
+        handed = self._take_handed(owner)
+        if handed is not None:
+            return handed  # wait() saw the previous holder hand the lock over
+        call = self._acquire_call(name, owner, ttl, holder)
+        sent = time.monotonic()
+        return self._outcome(self._single(name, call), owner, sent)
+
+    def do_release(self, name: str, owner: str) -> bool:
+        return self._run_bool(name, self._release_call(name, owner))
+
+    def do_extend(self, name: str, owner: str, ttl: float) -> bool:
+        lock_key, ttl_ms = self._keys(name).lock, ms(ttl)
+        return self._run_bool(
+            name, lambda node: node.run(node.extend, [lock_key], [owner, ttl_ms])
+        )
+
+    def do_adopt(self, name: str, owner: str, new_owner: str, ttl: float, state: Any) -> bool:
+        lock_key, ttl_ms = self._keys(name).lock, ms(ttl)
+        return self._run_bool(
+            name, lambda node: node.run(node.adopt, [lock_key], [owner, new_owner, ttl_ms])
+        )
+
+    def do_check(self, name: str, owner: str) -> bool:
+        lock_key = self._keys(name).lock
+        mine = f"{owner}:".encode()
+        return self._run_bool(
+            name, lambda node: as_bytes(node.command("GET", lock_key) or b"").startswith(mine)
+        )
+
+    def _break_call(self, name: str, token: int | None, compare: str) -> Any:
+        k = self._keys(name)
+        # The marker is per request: a retry of this break, not a later one.
+        keys = [*self._lock_keys(k), f"{k.done_prefix}break:{secrets.token_hex(8)}"]
+        wanted = "" if token is None else str(token)
+        args = [
+            "", "", name, "", WAITER_LEASE_MS, k.signal_prefix, "", wanted, compare, self._done_ms,
+        ]  # fmt: skip
+        return lambda node: node.run(node.break_, keys, args)
+
+    def do_break(self, name: str, token: int | None) -> bool:
+        return bool(self._single(name, self._break_call(name, token, "eq")))
+
+    def do_ping(self) -> tuple[str, tuple[str, ...]]:
+        info = self._single("", lambda node: node.command("INFO", "server"))
+        return "Redis " + server_version(info), ()
+
+    def do_abandon(self, name: str, owner: str) -> None:
+        plan = self._abandon_plan(name, owner)
+        if plan is not None:
+            keys, args = plan
+            self._single(name, lambda node: node.run(node.abandon, keys, args))
+
+    def _abandon_plan(self, name: str, owner: str) -> tuple[list[str], list[Any]] | None:
+        """The ABANDON call ``do_abandon`` makes, or None if there is nothing to leave."""
+        waiter = self._waiter(owner)
+        self._waiter_var.set(None)
+        if not self.fair and (waiter is None or waiter.queued_at is None):
+            return None  # an unfair waiter that never joined the queue: nothing to leave
+        k = self._keys(name)
+        keys = [*self._lock_keys(k), k.signal_prefix + owner]
+        args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix, ""]
+        return keys, args
+
+    def do_list(self, prefix: str) -> list[LockInfo]:
+        found = self._single(prefix, lambda node: list_node(node, self._tags, prefix, self.alias))
+        return list(found.values())
+
+    def _get_call(self, name: str) -> Callable[[Node], dict[str, LockInfo]]:
+        lock_key, alias = self._keys(name).lock, self.alias
+        return lambda node: get_lease(node, lock_key, name, alias)
+
+    def do_get(self, name: str) -> LockInfo | None:
+        """The live lease on exactly ``name``, or None; one script on the server."""
+        found: dict[str, LockInfo] = self._single(name, self._get_call(name))
+        return found.get(name)
+
+    def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
+        """Block on the wake-up list until a release, or a fallback re-check.
+
+        The fallback is never longer than half the holder's remaining lease (or
+        that lease plus a millisecond when it is short), nor than WAIT_CAP, so a
+        lost wake-up or a holder that died cannot strand a waiter. In fair
+        mode the wake-up is the hand-over itself: "token:granted_us:lease_ms".
+        """
+        plan = self._wait_plan(name, owner, remaining)
+        if plan is None:
+            return
+        key, timeout = plan
+        for node in self.nodes:
+            if node.stuck():
+                continue  # Redlock: a master that does not answer would hold us up
+            try:
+                # On the direct path too: the woken waiter's next step is the
+                # critical path of a hand-over.
+                popped = node.command("BLPOP", key, round(timeout, 3))
+            except RedisError:
+                continue  # Redlock: that master is down; block on the next one
+            self._woken(owner, popped)
+            return
+        time.sleep(timeout)
+
+    def _wait_plan(
+        self, name: str, owner: str, remaining: float | None
+    ) -> tuple[str, float] | None:
+        """The list ``wait()`` blocks on and for how long; None: do not block."""
+        waiter = self._waiter(owner)
+        holder_ms = waiter.holder_pttl_ms if waiter is not None else 0
+        fallback = max(holder_ms / 2000, min(holder_ms / 1000 + 0.001, 0.05))
+        timeout = min(self._blocking_cap, fallback if holder_ms else WAIT_CAP)
+        if remaining is not None:
+            timeout = min(timeout, remaining)
+        if timeout < 0.001:
+            return None
+        k = self._keys(name)
+        if waiter is not None and waiter.queued_at is not None:
+            return k.signal_prefix + owner, timeout
+        if waiter is not None and self.queues_waiters and not self.fair:
+            # Wake when this waiter may join the queue, if that comes first;
+            # once it has passed, the next attempt queues and no cap applies.
+            until_queue = waiter.since + STARVE_AFTER - time.monotonic()
+            if until_queue > 0.001:
+                timeout = min(timeout, until_queue)
+        return k.wake, timeout
+
+    def _take_handed(self, owner: str) -> Grant | None:
+        """The lease ``wait()`` saw handed to ``owner``, if most of it is left.
+
+        Its lease counts from when it was handed over, not from now: a
+        waiter that was slow to see it (paused, stopped with SIGSTOP) may
+        find it gone, or about to go, and handed to the next waiter. Then
+        the attempt asks the server instead, which answers with the lease
+        left if it is still ours, and queues it again if it is not.
+        """
+        waiter = self._waiter(owner)
+        if waiter is None or waiter.handed is None:
+            return None
+        handed, waiter.handed = waiter.handed, None
+        left = handed.expires - time.monotonic()
+        if left <= handed.lease / 2:
+            return None
+        # The watchdog's first renewal comes at a third of what is left.
+        return Grant(handed.token, handed.expires, left)
+
+    def _woken(self, owner: str, popped: Any) -> None:
+        """A BLPOP returned: in fair mode, what it popped is the hand-over."""
+        waiter = self._waiter(owner)
+        if popped and waiter is not None and waiter.queued_at is not None:
+            waiter.handed = _handed_over(waiter.queued_at, text(popped[1]))
+
+    # --- native async (single server; aio.py) -----------------------------------------
+
+    async def _arun(self, name: str, call: Any) -> Any:
+        """Await ``call(async node)``; a RedisError becomes BackendUnavailable."""
+        try:
+            return await call(self._anode)
+        except RedisError as e:
+            raise self._unavailable(name, e, self.nodes[0]) from e
+
+    async def ado_acquire(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
+    ) -> int | Grant | None:
+        handed = self._take_handed(owner)
+        if handed is not None:
+            return handed
+        keys, args = self._acquire_args(name, owner, ttl, holder)
+        sent = time.monotonic()
+        reply = await self._arun(name, lambda a: a.run(ACQUIRE, keys, args))
+        return self._outcome(reply, owner, sent)
+
+    async def ado_release(self, name: str, owner: str) -> bool:
+        if not self.native_async:
+            return await super().ado_release(name, owner)
+        keys, args = self._release_args(name, owner)
+        return bool(await self._arun(name, lambda a: a.run(RELEASE, keys, args)))
+
+    async def ado_extend(self, name: str, owner: str, ttl: float) -> bool:
+        if not self.native_async:
+            return await super().ado_extend(name, owner, ttl)
+        keys, args = [self._keys(name).lock], [owner, ms(ttl)]
+        return bool(await self._arun(name, lambda a: a.run(EXTEND, keys, args)))
+
+    async def ado_check(self, name: str, owner: str) -> bool:
+        if not self.native_async:
+            return await super().ado_check(name, owner)
+        lock_key = self._keys(name).lock
+        value = await self._arun(name, lambda a: a.get(lock_key))
+        return as_bytes(value or b"").startswith(f"{owner}:".encode())
+
+    async def ado_abandon(self, name: str, owner: str) -> None:
+        plan = self._abandon_plan(name, owner)
+        if plan is not None:
+            keys, args = plan
+            await self._arun(name, lambda a: a.run(ABANDON, keys, args))
+
+    async def await_(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
+        plan = self._wait_plan(name, owner, remaining)
+        if plan is None:
+            return
+        key, timeout = plan
+        popped = await self._arun(name, lambda a: a.blpop(key, round(timeout, 3)))
+        self._woken(owner, popped)
+
+
+def _several(location: Any) -> bool:
+    """Whether ``location`` is a list of more than one URL (Redlock's shape)."""
+    return (
+        isinstance(location, Sequence)
+        and not isinstance(location, (str, bytes))
+        and len(location) > 1
+    )
+
+
+_backends: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    # A forked child has none of the parent's threads: Redlock's pools would
+    # queue calls nobody runs, and their counters would say a master is stuck.
+    # Its nodes (and their connections) are made anew on first use.
+    for backend in list(_backends):
+        backend._nodes = None
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _handed_over(queued_at: tuple[float, int], signal: str) -> Grant:
+    """The lease in a hand-over signal "token:granted_us:lease_ms", on our clock."""
+    token, granted_us, lease_ms = (int(part) for part in signal.split(":"))
+    sent, server_us = queued_at
+    # The refused attempt that queued us was answered at server time server_us,
+    # at a moment of ours no earlier than `sent`; the grant came granted_us -
+    # server_us later on the server's clock, so no earlier than this:
+    granted = sent + (granted_us - server_us) / 1_000_000
+    lease = lease_ms / 1000
+    return Grant(token, granted + lease, lease)

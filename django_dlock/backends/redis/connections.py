@@ -1,0 +1,222 @@
+"""Connections to one Redis deployment (a server, or a cluster) and the scripts run on it."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+import redis
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    BusyLoadingError,
+    ClusterDownError,
+    NoPermissionError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .scripts import ABANDON, ACQUIRE, ADOPT, BREAK, EXTEND, GET, LIST, RELEASE, LuaScript
+
+#: Errors that say the server refused who we are or what we may do: acquire
+#: does not retry them (see BackendUnavailable.transient).
+_REFUSED_WHO = (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    NoPermissionError,
+)
+
+#: Errors that ``acquire()`` retries while its timeout lasts.
+_TRANSIENT = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    BusyLoadingError,
+    ClusterDownError,
+    TryAgainError,
+)
+
+
+def transient(error: Exception) -> bool:
+    """Whether waiting may cure ``error`` (``BackendUnavailable.transient``).
+
+    NOAUTH, WRONGPASS, NOPERM: only new settings (or ACLs) fix these. Only a
+    server that did not answer, or is loading or failing over, is worth
+    waiting for; a script error (a TTL out of range, a key of the wrong
+    type) or a refused login fails every time.
+    """
+    return isinstance(error, _TRANSIENT) and not isinstance(error, _REFUSED_WHO)
+
+
+class Node:
+    """One Redis deployment (a server, or a cluster), its scripts and its connections.
+
+    The hot commands (acquire, release, extend, check, a waiter's BLPOP) skip redis-py's
+    per-command client machinery (retry wrapper, timing, metrics), which costs
+    more than the round trip on loopback: they are written to a connection
+    directly with redis-py's own Connection and parser. Our own clients give
+    each thread a dedicated connection, made by the client's pool
+    (``make_connection``) but never returned to it; a django-redis client's
+    connections are borrowed from, and returned to, its pool. A Cluster
+    client keeps redis-py's path, which routes each command to its slot's
+    master.
+    """
+
+    def __init__(self, client: Any, label: str, *, dedicated: bool, retries: int) -> None:
+        self.client = client
+        self.label = label
+        self.direct = isinstance(client, redis.Redis)
+        self.dedicated = dedicated
+        self.retries = retries
+        self._local = threading.local()
+        self.acquire = ACQUIRE
+        self.release = RELEASE
+        self.extend = EXTEND
+        self.adopt = ADOPT
+        self.break_ = BREAK
+        self.abandon = ABANDON
+        self.get = GET
+        self.list = LIST
+
+    def stuck(self) -> bool:
+        """Whether to set this node aside for now; only a Redlock master ever is."""
+        return False
+
+    def run(self, script: LuaScript, keys: list[Any], args: list[Any]) -> Any:
+        try:
+            return self.command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            # The server lost its script cache (a restart, SCRIPT FLUSH).
+            if self.direct:
+                self.command("SCRIPT", "LOAD", script.text)
+            else:
+                self.client.script_load(script.text)  # a cluster loads it on every master
+            return self.command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    def _checkout(self) -> Any:
+        pool = self.client.connection_pool
+        if not self.dedicated:
+            return pool.get_connection()
+        local = self._local
+        conn = getattr(local, "conn", None)
+        if conn is None or local.pid != os.getpid():
+            conn = local.conn = pool.make_connection()
+            local.pid = os.getpid()
+        return conn
+
+    def _checkin(self, conn: Any) -> None:
+        if not self.dedicated:
+            self.client.connection_pool.release(conn)
+
+    def command(self, *args: Any) -> Any:
+        if not self.direct:
+            return self.client.execute_command(*args)
+        conn = self._checkout()
+        retries = self.retries
+        try:
+            while True:
+                try:
+                    conn.send_command(*args)
+                    return conn.read_response()
+                except (RedisConnectionError, RedisTimeoutError):
+                    conn.disconnect()
+                    if not retries:
+                        raise
+                    retries -= 1
+        except ResponseError:
+            raise  # the error reply was read in full; the connection is fine
+        except BaseException:
+            # A reply may be half read; the next command must not read it.
+            conn.disconnect()
+            raise
+        finally:
+            self._checkin(conn)
+
+    def pages(self, script: LuaScript, keys: list[Any], args: list[Any]) -> Iterator[Any]:
+        """Replies of ``script`` run page after page, as LIST pages.
+
+        ``args[0]`` is where a page starts and ``reply[1]`` where the next
+        one does (empty after the last). On our own connections the next
+        page's call is sent before this page's reply is handed over, so the
+        server runs it while the caller parses this one.
+        """
+        reply = self.run(script, keys, args)
+        if not self.direct:
+            yield reply
+            while reply[1]:
+                reply = self.run(script, keys, [reply[1], *args[1:]])
+                yield reply
+            return
+        conn = self._checkout()
+        sent = False
+        try:
+            while reply[1]:
+                conn.send_command("EVALSHA", script.sha, len(keys), *keys, reply[1], *args[1:])
+                sent = True
+                yield reply
+                try:
+                    reply = conn.read_response()
+                    sent = False
+                except NoScriptError:
+                    sent = False  # the server lost its scripts meanwhile: load it again
+                    reply = self.run(script, keys, [reply[1], *args[1:]])
+            yield reply
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            if sent:
+                conn.disconnect()  # the caller stopped early: a reply is on its way
+            self._checkin(conn)
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.disconnect()
+
+
+def redacted(location: str) -> str:
+    """``location`` without its password (in the netloc or the query), for messages."""
+    parts = urlsplit(location)
+    if parts.password is not None:
+        host = parts.netloc.rpartition("@")[2]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if any(key == "password" for key, _ in pairs):
+        hidden = [(key, "***" if key == "password" else value) for key, value in pairs]
+        parts = parts._replace(query=urlencode(hidden, safe="*"))
+    if parts.scheme and "://" not in location:
+        return location  # "django-redis:<alias>": no URL, no password
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{parts.scheme}://{parts.netloc}{parts.path}{query}"
+
+
+def server_version(info: Any) -> str:
+    """``redis_version`` from an INFO reply.
+
+    The reply is raw text from our own connection, or redis-py's parsed dict
+    (a cluster client's is keyed by node).
+    """
+    if isinstance(info, dict):
+        if "redis_version" in info:
+            return str(info["redis_version"])
+        return ", ".join(sorted({server_version(part) for part in info.values()}))
+    for line in text(info).splitlines():
+        if line.startswith("redis_version:"):
+            return line.partition(":")[2].strip()
+    return "unknown version"
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def as_bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
