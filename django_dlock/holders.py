@@ -107,11 +107,11 @@ def as_json(info: LockInfo, now: datetime) -> str:
     Built as text rather than through ``json.dumps`` of a dict, in a third of
     the time (``manage.py locks --json`` with 100,000 leases). The holder's
     stored JSON text is copied when the backend kept it
-    (``LockInfo._holder_json``) and it is ASCII, as ``dump_holder`` writes
+    (``LockInfo.holder_json``) and it is ASCII, as ``dump_holder`` writes
     it; strings are escaped to ASCII, so no control character reaches a
     terminal.
     """
-    holder = info._holder_json
+    holder = info.holder_json
     if holder is None or not holder.isascii():
         holder = json.dumps(info.holder)
     held = (now - info.acquired_at).total_seconds()

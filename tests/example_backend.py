@@ -42,7 +42,7 @@ class SQLiteFileBackend(BaseLockBackend):
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         if not isinstance(self.location, str) or not self.location:
-            raise self._config_error("LOCATION must be the path of a SQLite file.")
+            raise self.config_error("LOCATION must be the path of a SQLite file.")
         self._local = threading.local()
 
     def _db(self) -> sqlite3.Connection:

@@ -78,21 +78,21 @@ def test_a_hand_over_that_runs_out_before_it_is_extended_is_waited_for_again(
     The pause (a GC pause, SIGSTOP) is a sleep in the waiter's thread right
     after its grant was accepted, once.
     """
-    from django_dlock.backends import base
+    from django_dlock.backends.attempts import Attempt
 
     server = RedisServer(free_port()).start()
     backend = RedisBackend("fair", {"LOCATION": server.url, "OPTIONS": {"fair": True}})
-    accepted = base.BaseLockBackend._arrived_late
+    accepted = Attempt._arrived_late
     paused: list[bool] = []
 
-    def pause_once(self: base.BaseLockBackend, *args: object) -> bool:
+    def pause_once(self: Attempt, *args: object) -> bool:
         late = accepted(self, *args)  # type: ignore[arg-type]
         if not late and threading.current_thread().name == "waiter" and not paused:
             paused.append(True)
             time.sleep(1.3)  # past the 1 s hand-over lease
         return late
 
-    monkeypatch.setattr(base.BaseLockBackend, "_arrived_late", pause_once)
+    monkeypatch.setattr(Attempt, "_arrived_late", pause_once)
     outcome: list[object] = []
     try:
         first = backend.acquire("n", ttl=30, timeout=0, renew=False)

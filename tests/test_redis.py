@@ -586,11 +586,12 @@ def test_fair_release_hands_the_lock_to_the_first_waiter(name: str) -> None:
 def test_fair_waiter_granted_while_giving_up_passes_the_lock_on(name: str) -> None:
     backend = _fair()
     backend.do_acquire(name, "holder", 30, "{}")
-    backend.do_acquire(name, "gives-up", 30, "{}")
+    gives_up = backend.attempt(name, "gives-up", 30, ({}, "{}"), True)
+    assert gives_up.try_acquire() is None  # queued
     backend.do_acquire(name, "patient", 30, "{}")
     backend.do_release(name, "holder")
     assert _holder_of(backend, name) == "gives-up"
-    backend.do_abandon(name, "gives-up")
+    gives_up.abandon()
     assert _holder_of(backend, name) == "patient"
     backend.do_release(name, "patient")
 
@@ -626,18 +627,18 @@ def test_unfair_waiter_that_waited_too_long_is_queued_and_served_next(name: str)
     backend = locks["redis"]
     assert isinstance(backend, RedisBackend)
     assert isinstance(backend.do_acquire(name, "holder", 0.3, "{}"), int)
-    assert backend.do_acquire(name, "starving", 30, "{}") is None
-    waiter = backend._waiter("starving")
-    assert waiter is not None
-    waiter.since -= 1  # as if it had waited 1 s
-    assert backend.do_acquire(name, "starving", 30, "{}") is None
-    assert backend._waiter("starving").queued_at is not None
+    starving = backend.attempt(name, "starving", 30, ({}, "{}"), True)
+    assert starving.try_acquire() is None
+    assert starving.since is not None
+    starving.since -= 1  # as if it had waited 1 s
+    assert starving.try_acquire() is None
+    assert starving.queued_at is not None
     time.sleep(0.5)  # the holder's lease runs out without a release
     # The lock is free, but a newcomer may not barge ahead of the queued waiter:
     # its refused attempt hands the lock to that waiter (issue 16).
     assert backend.do_acquire(name, "newcomer", 30, "{}") is None
     assert _holder_of(backend, name) == "starving"
-    granted = backend.do_acquire(name, "starving", 30, "{}")
+    granted = starving.try_acquire()
     assert isinstance(granted, Grant) and granted.lease <= HANDOVER_LEASE_MS / 1000
     assert backend.do_release(name, "starving")
 
@@ -646,9 +647,11 @@ def test_unfair_release_hands_over_to_a_queued_waiter(name: str) -> None:
     backend = locks["redis"]
     assert isinstance(backend, RedisBackend)
     backend.do_acquire(name, "holder", 30, "{}")
-    backend.do_acquire(name, "starving", 30, "{}")
-    backend._waiter("starving").since -= 1  # type: ignore[union-attr]
-    backend.do_acquire(name, "starving", 30, "{}")
+    starving = backend.attempt(name, "starving", 30, ({}, "{}"), True)
+    starving.try_acquire()
+    assert starving.since is not None
+    starving.since -= 1
+    starving.try_acquire()
     assert backend.do_release(name, "holder")
     value = redis.Redis.from_url(backend.locations[0], decode_responses=True).get(
         backend._keys(name).lock
@@ -681,9 +684,11 @@ def test_redlock_waiters_never_queue(name: str) -> None:
     backend = locks["redlock"]
     assert isinstance(backend, RedlockBackend)
     assert isinstance(backend.do_acquire(name, "holder", 30, "{}"), Grant | int)
-    backend.do_acquire(name, "waiter", 30, "{}")
-    backend._waiter("waiter").since -= 10  # type: ignore[union-attr]  # long past STARVE_AFTER
-    assert backend.do_acquire(name, "waiter", 30, "{}") is None
+    waiter = backend.attempt(name, "waiter", 30, ({}, "{}"), True)
+    assert waiter.try_acquire() is None
+    assert waiter.since is not None
+    waiter.since -= 10  # long past STARVE_AFTER
+    assert waiter.try_acquire() is None
     for node in backend.nodes:
         try:
             assert node.command("EXISTS", backend._keys(name).queue) == 0

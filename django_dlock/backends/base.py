@@ -196,20 +196,20 @@ class BaseLockBackend:
 
     # --- settings helpers for backends ------------------------------------------------
 
-    def _config_error(self, message: str) -> LockConfigurationError:
+    def config_error(self, message: str) -> LockConfigurationError:
         """A settings error that names this alias (``manage.py check`` shows E006)."""
         return LockConfigurationError(f"Lock backend {self.alias!r}: {message}", alias=self.alias)
 
     def _bool_option(self, key: str) -> bool:
         value = self.options.get(key, False)
         if not isinstance(value, bool):
-            raise self._config_error(f"OPTIONS[{key!r}] must be True or False.")
+            raise self.config_error(f"OPTIONS[{key!r}] must be True or False.")
         return value
 
     def _number_option(self, key: str, default: float) -> float:
         value = self.options.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise self._config_error(f"OPTIONS[{key!r}] must be a positive number.")
+            raise self.config_error(f"OPTIONS[{key!r}] must be a positive number.")
         return float(value)
 
     # --- primitives -----------------------------------------------------------------

@@ -27,7 +27,7 @@ class LockInfo:
 
     ``acquired_at`` and ``expires_at`` come from the lock service's clock;
     ``expires_in`` is the seconds left by that clock when the list was taken.
-    ``_holder_json`` is the stored text ``holder`` was parsed from, when the
+    ``holder_json`` is the stored text ``holder`` was parsed from, when the
     backend has it: ``manage.py locks --json`` copies it instead of encoding
     ``holder`` again.
     """
@@ -39,7 +39,7 @@ class LockInfo:
     acquired_at: datetime
     expires_at: datetime
     expires_in: float
-    _holder_json: str | None = field(default=None, compare=False, repr=False)
+    holder_json: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -106,13 +106,11 @@ class EtcdBackend(BaseLockBackend):
         self.timeout = self._number_option("timeout", 5.0)
         for key in ("ca", "cert", "key", "user", "password"):
             if options.get(key) is not None and not isinstance(options[key], (str, os.PathLike)):
-                raise self._config_error(f"OPTIONS[{key!r}] must be a str.")
+                raise self.config_error(f"OPTIONS[{key!r}] must be a str.")
         if ("cert" in options) != ("key" in options):
-            raise self._config_error(
-                "OPTIONS 'cert' and 'key' go together (a client certificate)."
-            )
+            raise self.config_error("OPTIONS 'cert' and 'key' go together (a client certificate).")
         if ("user" in options) != ("password" in options):
-            raise self._config_error("OPTIONS 'user' and 'password' go together.")
+            raise self.config_error("OPTIONS 'user' and 'password' go together.")
         self.endpoints, self.secure = self._parse_location()
         self.root = f"{self.key_prefix}dlock/".encode()
         self._state: Sessions | None = None
@@ -128,7 +126,7 @@ class EtcdBackend(BaseLockBackend):
         elif isinstance(location, Sequence) and location and not isinstance(location, bytes):
             items = list(location)
         else:
-            raise self._config_error(
+            raise self.config_error(
                 "LOCATION must be an endpoint 'host:port' (or http:// / https:// URL) or a "
                 "list of them."
             )
@@ -136,20 +134,20 @@ class EtcdBackend(BaseLockBackend):
         endpoints = []
         for item in items:
             if not isinstance(item, str) or not item:
-                raise self._config_error(f"{item!r} is not an etcd endpoint 'host:port'.")
+                raise self.config_error(f"{item!r} is not an etcd endpoint 'host:port'.")
             scheme, sep, rest = item.partition("://")
             if not sep:
                 scheme, rest = "", item
             if scheme not in ("", "http", "https"):
-                raise self._config_error(f"{item!r}: the scheme must be http or https.")
+                raise self.config_error(f"{item!r}: the scheme must be http or https.")
             host, colon, port = rest.rstrip("/").rpartition(":")
             if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise self._config_error(f"{item!r} is not an etcd endpoint 'host:port'.")
+                raise self.config_error(f"{item!r} is not an etcd endpoint 'host:port'.")
             schemes.add(scheme)
             endpoints.append(f"{host}:{port}")
         tls_files = any(self.options.get(k) for k in ("ca", "cert", "key"))
         if "http" in schemes and (tls_files or "https" in schemes):
-            raise self._config_error(
+            raise self.config_error(
                 "http:// endpoints do not use TLS; use https:// with OPTIONS 'ca'/'cert'/'key'."
             )
         return endpoints, "https" in schemes or tls_files
@@ -182,7 +180,7 @@ class EtcdBackend(BaseLockBackend):
                 with open(path, "rb") as f:
                     return f.read()
             except OSError as e:
-                raise self._config_error(f"cannot read OPTIONS[{key!r}]: {e}") from e
+                raise self.config_error(f"cannot read OPTIONS[{key!r}]: {e}") from e
 
         return grpc.ssl_channel_credentials(
             root_certificates=read("ca"), private_key=read("key"), certificate_chain=read("cert")

@@ -16,7 +16,6 @@ import warnings
 import weakref
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,7 +27,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from ...exceptions import BackendUnavailable, LockConfigurationError
-from ..base import BaseLockBackend, Grant, LockInfo
+from ..base import Attempt, BaseLockBackend, Grant, LockInfo
 from .aio import AsyncNode
 from .connections import Node, as_bytes, redacted, server_version, text, transient
 from .listing import get_lease, list_node
@@ -41,19 +40,43 @@ WAIT_CAP = 1.0
 STARVE_AFTER = 0.1
 
 
-@dataclass
-class Waiter:
-    """What one acquire call has learned while refused; a thread has one at a time."""
+class RedisAttempt(Attempt):
+    """One acquire call, and what it has learned while refused.
 
-    owner: str
-    #: When it was first refused, by our clock (unfair waiters queue after STARVE_AFTER).
-    since: float
+    Its waits block on a Redis list (BLPOP) that a release pushes to; once
+    queued (``fair``, or an unfair waiter starving), on its own list, which
+    the previous holder pushes the hand-over to. The same object serves the
+    sync loop and, on one server, the asyncio one.
+    """
+
+    backend: RedisBackend
+    #: When it was first refused, by our clock (unfair waiters queue after
+    #: STARVE_AFTER); None until then.
+    since: float | None = None
     #: The holder's lease left at the latest refusal, in ms (0: unknown).
     holder_pttl_ms: int = 0
     #: Once queued: (our clock when that attempt was sent, server clock in us).
     queued_at: tuple[float, int] | None = None
     #: A lease the previous holder handed over, seen by wait().
     handed: Grant | None = None
+
+    def try_acquire(self) -> int | Grant | None:
+        return self.backend._try_acquire(self)
+
+    def wait(self, remaining: float | None) -> None:
+        self.backend._block(self, remaining)
+
+    def abandon(self) -> None:
+        self.backend._abandon(self)
+
+    async def atry_acquire(self) -> int | Grant | None:
+        return await self.backend._atry_acquire(self)
+
+    async def await_(self, remaining: float | None) -> None:
+        await self.backend._ablock(self, remaining)
+
+    async def aabandon(self) -> None:
+        await self.backend._aabandon(self)
 
 
 @dataclass(frozen=True)
@@ -78,7 +101,7 @@ class RedisBackend(BaseLockBackend):
     """Leases in Redis; see the package docstring for the key layout and scripts."""
 
     supports_wakeups = True
-    supports_fair = True
+    attempt_class = RedisAttempt
     #: Redlock over independent masters (RedlockBackend)?
     redlock: ClassVar[bool] = False
     #: May a waiter join the lock's queue on the server (``fair``, or an
@@ -134,6 +157,9 @@ class RedisBackend(BaseLockBackend):
             )
         options = self.options
         self.fair = self._bool_option("fair")
+        # Arrival order only with ``fair``: otherwise a waiter queues only
+        # once it has waited STARVE_AFTER, and may be overtaken before that.
+        self.supports_fair = self.fair
         self.cluster = self._bool_option("cluster")
         self.connection_spec = options.get("connection")
         self.socket_timeout = self._number_option("socket_timeout", 5.0)
@@ -157,10 +183,6 @@ class RedisBackend(BaseLockBackend):
         self._requests = itertools.count()
         self._nodes: list[Node] | None = None
         self._mutex = threading.Lock()
-        # The refused attempt's state, per thread and per asyncio task.
-        self._waiter_var: ContextVar[Waiter | None] = ContextVar(
-            f"django-dlock-waiter-{alias}", default=None
-        )
         self.native_async = not (self.cluster or self.connection_spec)
         self._anode = AsyncNode(self.locations[0], lambda: self._client_kwargs(AsyncRetry))
         self._tags = [f"{{{self.key_prefix}dlock:{s}}}" for s in range(shards)]
@@ -175,31 +197,27 @@ class RedisBackend(BaseLockBackend):
         if self.connection_spec is not None:
             spec = self.connection_spec
             if not (isinstance(spec, str) and spec.startswith("django-redis:") and spec[13:]):
-                raise self._config_error(
+                raise self.config_error(
                     "OPTIONS['connection'] must look like 'django-redis:<cache alias>'."
                 )
             if location is not None:
-                raise self._config_error(
-                    "give either LOCATION or OPTIONS['connection'], not both."
-                )
+                raise self.config_error("give either LOCATION or OPTIONS['connection'], not both.")
             return [spec]
         if isinstance(location, str):
             locations = [location]
         elif isinstance(location, Sequence) and location and not isinstance(location, bytes):
             locations = list(location)
         else:
-            raise self._config_error(
-                "LOCATION must be a redis:// URL or a list of them (Redlock)."
-            )
+            raise self.config_error("LOCATION must be a redis:// URL or a list of them (Redlock).")
         for url in locations:
             if not isinstance(url, str) or url.split("://", 1)[0] not in (
                 "redis",
                 "rediss",
                 "unix",
             ):
-                raise self._config_error(f"{url!r} is not a redis://, rediss:// or unix:// URL.")
+                raise self.config_error(f"{url!r} is not a redis://, rediss:// or unix:// URL.")
         if len(locations) > 1 and not self.redlock:
-            raise self._config_error(
+            raise self.config_error(
                 "a list of several LOCATIONs is Redlock over independent masters; use "
                 "django_dlock.backends.redis.RedlockBackend."
             )
@@ -307,29 +325,26 @@ class RedisBackend(BaseLockBackend):
 
     # --- primitives -------------------------------------------------------------------
 
-    def _waiter(self, owner: str) -> Waiter | None:
-        waiter = self._waiter_var.get()
-        return waiter if waiter is not None and waiter.owner == owner else None
+    @staticmethod
+    def _refused(attempt: RedisAttempt, sent: float) -> RedisAttempt:
+        """Note the attempt's first refusal."""
+        if attempt.since is None:
+            attempt.since = sent
+        return attempt
 
-    def _refused(self, owner: str, sent: float) -> Waiter:
-        """This acquire call's Waiter, made at its first refusal."""
-        waiter = self._waiter(owner)
-        if waiter is None:
-            waiter = Waiter(owner, since=sent)
-            self._waiter_var.set(waiter)
-        return waiter
-
-    def _acquire_call(self, name: str, owner: str, ttl: float, holder: str) -> Any:
-        keys, args = self._acquire_args(name, owner, ttl, holder)
+    def _acquire_call(self, attempt: RedisAttempt) -> Any:
+        keys, args = self._acquire_args(attempt)
         return lambda node: node.run(node.acquire, keys, args)
 
-    def _acquire_args(
-        self, name: str, owner: str, ttl: float, holder: str
-    ) -> tuple[list[str], list[Any]]:
+    def _acquire_args(self, attempt: RedisAttempt) -> tuple[list[str], list[Any]]:
+        name = attempt.name
         k = self._keys(name)
-        args = [owner, ms(ttl), name, holder, WAITER_LEASE_MS, k.signal_prefix, ""]
-        waiter = self._waiter(owner)
-        starving = waiter is not None and time.monotonic() - waiter.since >= STARVE_AFTER
+        args = [
+            attempt.owner, ms(attempt.ttl), name, attempt.holder[1],
+            WAITER_LEASE_MS, k.signal_prefix, "",
+        ]  # fmt: skip
+        since = attempt.since
+        starving = since is not None and time.monotonic() - since >= STARVE_AFTER
         if self.fair or (starving and self.queues_waiters):
             args[6] = "1"
         return self._lock_keys(k), args
@@ -346,7 +361,7 @@ class RedisBackend(BaseLockBackend):
         args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix, "", self._done_ms]
         return keys, args
 
-    def _outcome(self, reply: Any, owner: str, sent: float) -> int | Grant | None:
+    def _outcome(self, reply: Any, attempt: RedisAttempt, sent: float) -> int | Grant | None:
         """Read an acquire reply; on a refusal, note what wait() needs."""
         if isinstance(reply, list):
             first, second = int(reply[0]), int(reply[1])
@@ -360,21 +375,24 @@ class RedisBackend(BaseLockBackend):
             if result > 0:
                 return result
             pttl_ms, queued_at = -result - 1, None
-        waiter = self._refused(owner, sent)
-        waiter.holder_pttl_ms = pttl_ms
+        self._refused(attempt, sent).holder_pttl_ms = pttl_ms
         if queued_at is not None:
-            waiter.queued_at = queued_at
+            attempt.queued_at = queued_at
         return None
 
     def do_acquire(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
     ) -> int | Grant | None:
-        handed = self._take_handed(owner)
+        """One attempt on its own (the acquire loop uses a RedisAttempt's try_acquire)."""
+        return self._try_acquire(self.attempt(name, owner, ttl, ({}, holder), renew))
+
+    def _try_acquire(self, attempt: Any) -> int | Grant | None:
+        handed = self._take_handed(attempt)
         if handed is not None:
             return handed  # wait() saw the previous holder hand the lock over
-        call = self._acquire_call(name, owner, ttl, holder)
+        call = self._acquire_call(attempt)
         sent = time.monotonic()
-        return self._outcome(self._single(name, call), owner, sent)
+        return self._outcome(self._single(attempt.name, call), attempt, sent)
 
     def do_release(self, name: str, owner: str) -> bool:
         return self._run_bool(name, self._release_call(name, owner))
@@ -415,18 +433,17 @@ class RedisBackend(BaseLockBackend):
         info = self._single("", lambda node: node.command("INFO", "server"))
         return "Redis " + server_version(info), ()
 
-    def do_abandon(self, name: str, owner: str) -> None:
-        plan = self._abandon_plan(name, owner)
+    def _abandon(self, attempt: RedisAttempt) -> None:
+        plan = self._abandon_plan(attempt)
         if plan is not None:
             keys, args = plan
-            self._single(name, lambda node: node.run(node.abandon, keys, args))
+            self._single(attempt.name, lambda node: node.run(node.abandon, keys, args))
 
-    def _abandon_plan(self, name: str, owner: str) -> tuple[list[str], list[Any]] | None:
-        """The ABANDON call ``do_abandon`` makes, or None if there is nothing to leave."""
-        waiter = self._waiter(owner)
-        self._waiter_var.set(None)
-        if not self.fair and (waiter is None or waiter.queued_at is None):
+    def _abandon_plan(self, attempt: RedisAttempt) -> tuple[list[str], list[Any]] | None:
+        """The ABANDON call ``_abandon`` makes, or None if there is nothing to leave."""
+        if not self.fair and attempt.queued_at is None:
             return None  # an unfair waiter that never joined the queue: nothing to leave
+        name, owner = attempt.name, attempt.owner
         k = self._keys(name)
         keys = [*self._lock_keys(k), k.signal_prefix + owner]
         args = [owner, "", name, "", WAITER_LEASE_MS, k.signal_prefix, ""]
@@ -445,7 +462,7 @@ class RedisBackend(BaseLockBackend):
         found: dict[str, LockInfo] = self._single(name, self._get_call(name))
         return found.get(name)
 
-    def wait(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
+    def _block(self, attempt: RedisAttempt, remaining: float | None) -> None:
         """Block on the wake-up list until a release, or a fallback re-check.
 
         The fallback is never longer than half the holder's remaining lease (or
@@ -453,7 +470,7 @@ class RedisBackend(BaseLockBackend):
         lost wake-up or a holder that died cannot strand a waiter. In fair
         mode the wake-up is the hand-over itself: "token:granted_us:lease_ms".
         """
-        plan = self._wait_plan(name, owner, remaining)
+        plan = self._wait_plan(attempt, remaining)
         if plan is None:
             return
         key, timeout = plan
@@ -466,34 +483,34 @@ class RedisBackend(BaseLockBackend):
                 popped = node.command("BLPOP", key, round(timeout, 3))
             except RedisError:
                 continue  # Redlock: that master is down; block on the next one
-            self._woken(owner, popped)
+            self._woken(attempt, popped)
             return
         time.sleep(timeout)
 
     def _wait_plan(
-        self, name: str, owner: str, remaining: float | None
+        self, attempt: RedisAttempt, remaining: float | None
     ) -> tuple[str, float] | None:
         """The list ``wait()`` blocks on and for how long; None: do not block."""
-        waiter = self._waiter(owner)
-        holder_ms = waiter.holder_pttl_ms if waiter is not None else 0
+        holder_ms = attempt.holder_pttl_ms
         fallback = max(holder_ms / 2000, min(holder_ms / 1000 + 0.001, 0.05))
         timeout = min(self._blocking_cap, fallback if holder_ms else WAIT_CAP)
         if remaining is not None:
             timeout = min(timeout, remaining)
         if timeout < 0.001:
             return None
-        k = self._keys(name)
-        if waiter is not None and waiter.queued_at is not None:
-            return k.signal_prefix + owner, timeout
-        if waiter is not None and self.queues_waiters and not self.fair:
+        k = self._keys(attempt.name)
+        if attempt.queued_at is not None:
+            return k.signal_prefix + attempt.owner, timeout
+        if attempt.since is not None and self.queues_waiters and not self.fair:
             # Wake when this waiter may join the queue, if that comes first;
             # once it has passed, the next attempt queues and no cap applies.
-            until_queue = waiter.since + STARVE_AFTER - time.monotonic()
+            until_queue = attempt.since + STARVE_AFTER - time.monotonic()
             if until_queue > 0.001:
                 timeout = min(timeout, until_queue)
         return k.wake, timeout
 
-    def _take_handed(self, owner: str) -> Grant | None:
+    @staticmethod
+    def _take_handed(attempt: RedisAttempt) -> Grant | None:
         """The lease ``wait()`` saw handed to ``owner``, if most of it is left.
 
         Its lease counts from when it was handed over, not from now: a
@@ -502,21 +519,20 @@ class RedisBackend(BaseLockBackend):
         the attempt asks the server instead, which answers with the lease
         left if it is still ours, and queues it again if it is not.
         """
-        waiter = self._waiter(owner)
-        if waiter is None or waiter.handed is None:
+        if attempt.handed is None:
             return None
-        handed, waiter.handed = waiter.handed, None
+        handed, attempt.handed = attempt.handed, None
         left = handed.expires - time.monotonic()
         if left <= handed.lease / 2:
             return None
         # The watchdog's first renewal comes at a third of what is left.
         return Grant(handed.token, handed.expires, left)
 
-    def _woken(self, owner: str, popped: Any) -> None:
+    @staticmethod
+    def _woken(attempt: RedisAttempt, popped: Any) -> None:
         """A BLPOP returned: in fair mode, what it popped is the hand-over."""
-        waiter = self._waiter(owner)
-        if popped and waiter is not None and waiter.queued_at is not None:
-            waiter.handed = _handed_over(waiter.queued_at, text(popped[1]))
+        if popped and attempt.queued_at is not None:
+            attempt.handed = _handed_over(attempt.queued_at, text(popped[1]))
 
     # --- native async (single server; aio.py) -----------------------------------------
 
@@ -527,16 +543,14 @@ class RedisBackend(BaseLockBackend):
         except RedisError as e:
             raise self._unavailable(name, e, self.nodes[0]) from e
 
-    async def ado_acquire(
-        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
-    ) -> int | Grant | None:
-        handed = self._take_handed(owner)
+    async def _atry_acquire(self, attempt: RedisAttempt) -> int | Grant | None:
+        handed = self._take_handed(attempt)
         if handed is not None:
             return handed
-        keys, args = self._acquire_args(name, owner, ttl, holder)
+        keys, args = self._acquire_args(attempt)
         sent = time.monotonic()
-        reply = await self._arun(name, lambda a: a.run(ACQUIRE, keys, args))
-        return self._outcome(reply, owner, sent)
+        reply = await self._arun(attempt.name, lambda a: a.run(ACQUIRE, keys, args))
+        return self._outcome(reply, attempt, sent)
 
     async def ado_release(self, name: str, owner: str) -> bool:
         if not self.native_async:
@@ -557,19 +571,19 @@ class RedisBackend(BaseLockBackend):
         value = await self._arun(name, lambda a: a.get(lock_key))
         return as_bytes(value or b"").startswith(f"{owner}:".encode())
 
-    async def ado_abandon(self, name: str, owner: str) -> None:
-        plan = self._abandon_plan(name, owner)
+    async def _aabandon(self, attempt: RedisAttempt) -> None:
+        plan = self._abandon_plan(attempt)
         if plan is not None:
             keys, args = plan
-            await self._arun(name, lambda a: a.run(ABANDON, keys, args))
+            await self._arun(attempt.name, lambda a: a.run(ABANDON, keys, args))
 
-    async def await_(self, name: str, owner: str, remaining: float | None, attempt: int) -> None:
-        plan = self._wait_plan(name, owner, remaining)
+    async def _ablock(self, attempt: RedisAttempt, remaining: float | None) -> None:
+        plan = self._wait_plan(attempt, remaining)
         if plan is None:
             return
         key, timeout = plan
-        popped = await self._arun(name, lambda a: a.blpop(key, round(timeout, 3)))
-        self._woken(owner, popped)
+        popped = await self._arun(attempt.name, lambda a: a.blpop(key, round(timeout, 3)))
+        self._woken(attempt, popped)
 
 
 def _several(location: Any) -> bool:

@@ -155,7 +155,7 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
         if isinstance(self.location, str) or (
             isinstance(self.location, list | tuple) and len(self.location) < 2
         ):
-            raise self._config_error(
+            raise self.config_error(
                 "Redlock needs LOCATION to be a list of two or more independent masters' "
                 "redis:// URLs; for one server use django_dlock.backends.redis.RedisBackend."
             )
@@ -254,17 +254,13 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
 
     # --- primitives -------------------------------------------------------------------
 
-    def do_acquire(
-        self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
-    ) -> int | Grant | None:
-        handed = self._take_handed(owner)
-        if handed is not None:
-            return handed
-        call = self._acquire_call(name, owner, ttl, holder)
+    def _try_acquire(self, attempt: Any) -> int | Grant | None:
+        name, owner, ttl = attempt.name, attempt.owner, attempt.ttl
+        call = self._acquire_call(attempt)
         sent = time.monotonic()
         results = self._on_each(name, call, self._settled(_granted))
         errors = [r for r in results if isinstance(r, BackendUnavailable)]
-        outcomes = [self._outcome(r, owner, sent) for r in results if _answer(r)]
+        outcomes = [self._outcome(r, attempt, sent) for r in results if _answer(r)]
         granted = [o for o in outcomes if o is not None]
         validity = ttl - (time.monotonic() - sent) - self.drift(ttl)
         if len(granted) >= self.quorum and validity > 0:
@@ -282,7 +278,7 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
             int(r) for r in results if _answer(r) and not isinstance(r, list) and int(r) < 0
         ]
         # Wait on the soonest-expiring refusal.
-        self._refused(owner, sent).holder_pttl_ms = -max(refusals) - 1 if refusals else 0
+        self._refused(attempt, sent).holder_pttl_ms = -max(refusals) - 1 if refusals else 0
         return None
 
     def do_break(self, name: str, token: int | None) -> bool:
