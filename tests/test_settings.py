@@ -178,3 +178,15 @@ def test_every_check_id_is_listed() -> None:
     table = (root.parent / "docs" / "checks.md").read_text()
     assert sorted(used - set(re.findall(r"``(django_dlock\.[EW]\d{3})``", docstring))) == []
     assert sorted(used - set(re.findall(r"\| `(django_dlock\.[EW]\d{3})` \|", table))) == []
+
+
+def test_a_backend_reports_the_dotted_path_it_was_configured_with() -> None:
+    """``locks check`` and settings errors name the path from the settings, not a submodule."""
+    from django.conf import settings
+
+    from django_dlock import locks
+
+    for alias in ("etcd", "redis", "redlock", "db-sqlite"):
+        configured = settings.DLOCK_BACKENDS[alias]["BACKEND"]
+        assert locks[alias].path == configured
+        assert configured.count(".") == 3, configured  # django_dlock.backends.<name>.<Class>

@@ -156,7 +156,14 @@ class BaseLockBackend:
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         self.alias = alias
-        self.path = f"{type(self).__module__}.{type(self).__qualname__}"
+        # The dotted path as configured (``django_dlock.backends.etcd.EtcdBackend``),
+        # not the module the class happens to be defined in.
+        configured = params.get("BACKEND")
+        self.path = (
+            configured
+            if isinstance(configured, str) and configured
+            else f"{type(self).__module__}.{type(self).__qualname__}"
+        )
         unknown = sorted(set(params) - conf.SETTINGS_KEYS)
         if unknown:
             raise InvalidLockOption(
