@@ -254,6 +254,11 @@ def test_redlock_without_a_quorum_is_unavailable(redis_servers: dict[str, Any], 
     try:
         with pytest.raises(BackendUnavailable):
             lock(name, backend="redlock", timeout=0).acquire()
+        # Nor can one master say who holds a lock, or that nobody does.
+        with pytest.raises(BackendUnavailable):
+            locks["redlock"].get(name)
+        with pytest.raises(BackendUnavailable):
+            locks["redlock"].list(name)
     finally:
         second.start()
     with lock(name, backend="redlock", timeout=0) as held:

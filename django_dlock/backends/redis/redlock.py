@@ -315,22 +315,39 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
 
     def do_list(self, prefix: str) -> list[LockInfo]:
         per_node: list[dict[str, LockInfo]] = []
+        errors: list[RedisError] = []
         for node in self.nodes:
             try:
                 per_node.append(list_node(node, self._tags, prefix, self.alias))
-            except RedisError:
-                continue
+            except RedisError as e:
+                errors.append(e)
+        self._need_quorum(prefix, len(per_node), errors)
         return self._merge_quorum(per_node)
 
     def do_get(self, name: str) -> LockInfo | None:
         """``name``'s lease as a majority of masters holds it (as do_list), or None.
 
-        One GET script per master, the masters called at once; a master that
-        fails counts as not holding it.
+        One GET script per master, the masters called at once. A master that
+        fails counts as not holding it; with fewer than a majority answering,
+        nobody can say, and it raises ``BackendUnavailable``.
         """
         results = self._on_each(name, self._get_call(name))
-        merged = self._merge_quorum([r for r in results if _answer(r)])
+        answers = [r for r in results if _answer(r)]
+        self._need_quorum(name, len(answers), [r for r in results if isinstance(r, Exception)])
+        merged = self._merge_quorum(answers)
         return merged[0] if merged else None
+
+    def _need_quorum(self, name: str, answered: int, errors: list[Any]) -> None:
+        """Raise unless a majority of masters answered a read."""
+        if answered >= self.quorum:
+            return
+        raise BackendUnavailable(
+            f"Only {answered} of {len(self.nodes)} Redlock masters answered on backend "
+            f"{self.alias!r} (a majority, {self.quorum}, is needed to say who holds "
+            f"{name!r}): {'; '.join(str(e) for e in errors)}",
+            name=name or None,
+            backend=self.alias,
+        )
 
     def _merge_quorum(self, per_node: list[dict[str, LockInfo]]) -> list[LockInfo]:
         names: dict[str, list[LockInfo]] = {}
