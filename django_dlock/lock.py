@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -95,6 +96,9 @@ class Lock:
         self.release_on_commit = release_on_commit
         self.using = using
         self._handles: set[HeldLock] = set()
+        # One Lock may be shared by threads (a module-level lock(...) acquired
+        # with name=...): its set of handles is changed under this mutex.
+        self._handles_mutex = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<Lock {self.name!r} backend={self.backend!r}>"
@@ -107,8 +111,15 @@ class Lock:
         the current thread or task.
         """
         held = self._acquire(timeout, name)
-        self._push(held)
+        self._remember(held)
         return held
+
+    def _remember(self, held: HeldLock) -> None:
+        try:
+            self._push(held)
+        except BaseException:
+            held.release_quietly()  # nobody would get the handle to release it
+            raise
 
     def acquire_handle(
         self, timeout: float | None = _UNSET, *, name: str | None = None
@@ -141,7 +152,7 @@ class Lock:
     ) -> HeldLock:
         """:meth:`acquire`, awaited: the backend's awaitable primitives, no blocking call."""
         held = await self._aacquire(timeout, name)
-        self._push(held)
+        self._remember(held)
         return held
 
     async def arelease(self) -> None:
@@ -228,9 +239,10 @@ class Lock:
         # ``lock.release()``) are dropped here, so that a long-lived Lock
         # keeps only what may still be popped; the stack keeps weak references.
         handles = self._handles
-        ended = [h for h in handles if h.released or h.detached]
-        handles.difference_update(ended)
-        handles.add(held)
+        with self._handles_mutex:
+            ended = [h for h in handles if h.released or h.detached]
+            handles.difference_update(ended)
+            handles.add(held)
         live = tuple(
             entry for entry in _acquired.get() if entry[0]() is not None and entry[1]() is not None
         )
@@ -242,7 +254,8 @@ class Lock:
             held = stack[i][1]()
             if stack[i][0]() is self and held is not None:
                 _acquired.set(stack[:i] + stack[i + 1 :])
-                self._handles.discard(held)
+                with self._handles_mutex:
+                    self._handles.discard(held)
                 return held
         raise RuntimeError(f"{self!r} was not acquired in this thread or task.")
 

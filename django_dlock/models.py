@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 from django.db import models
 
 
@@ -59,3 +62,15 @@ class LockListing(models.Model):
 
     def __str__(self) -> str:
         return f"lock {self.pk}"
+
+
+def __getattr__(name: str) -> Any:
+    """``django_dlock.models.Lock``: the admin model's old name, deprecated."""
+    if name == "Lock":
+        warnings.warn(
+            "django_dlock.models.Lock is now LockListing (it clashed with django_dlock.Lock).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return LockListing
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -76,10 +76,13 @@ class SQLiteFileBackend(BaseLockBackend):
             live = self._run("SELECT 1 FROM lease WHERE name = ? AND expires > ?", key, now)
             token = None
             if live.fetchone() is None:
+                # Tokens must grow even if the file is lost (a new one starts
+                # over): at least the wall clock in microseconds, as Redis does.
                 token = self._run(
-                    "INSERT INTO fence (name, token) VALUES (?, 1) "
-                    "ON CONFLICT (name) DO UPDATE SET token = token + 1 RETURNING token",
+                    "INSERT INTO fence (name, token) VALUES (?, ?) ON CONFLICT (name) "
+                    "DO UPDATE SET token = max(token + 1, excluded.token) RETURNING token",
                     key,
+                    time.time_ns() // 1000,
                 ).fetchone()[0]
                 self._run(
                     "INSERT OR REPLACE INTO lease VALUES (?, ?, ?, ?, ?, ?)",

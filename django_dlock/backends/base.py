@@ -68,9 +68,10 @@ import contextvars
 import functools
 import logging
 import time
+import warnings
 from collections.abc import Mapping
 from operator import attrgetter
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.core.checks import CheckMessage
 
@@ -125,6 +126,13 @@ __all__ = [
 logger = logging.getLogger("django_dlock")
 
 
+#: Capability names before issue 17 -> their names now (Django's ``supports_*``).
+_RENAMED_CAPABILITIES = {
+    "wakes_waiters": "supports_wakeups",
+    "shared_across_processes": "supports_multiprocess",
+}
+
+
 class BaseLockBackend:
     """Settings, the blocking loop and the public backend API; see the module docstring."""
 
@@ -153,6 +161,29 @@ class BaseLockBackend:
     attempt_class: ClassVar[type[Attempt]] = Attempt
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
     allowed_options: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old, new in _RENAMED_CAPABILITIES.items():
+            if old in cls.__dict__:
+                warnings.warn(
+                    f"{cls.__qualname__}.{old} is deprecated: declare {new} instead.",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                setattr(cls, new, cls.__dict__[old])
+
+    if not TYPE_CHECKING:  # mypy would take any attribute of a backend as valid
+
+        def __getattr__(self, name: str) -> Any:
+            # Only for attributes not found otherwise: the capabilities' old names.
+            new = _RENAMED_CAPABILITIES.get(name)
+            if new is None:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            warnings.warn(
+                f"{name} is deprecated: read {new} instead.", DeprecationWarning, stacklevel=2
+            )
+            return getattr(self, new)
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         self.alias = alias
