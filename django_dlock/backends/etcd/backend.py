@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from urllib.parse import unquote
@@ -37,6 +37,7 @@ from .transport import (
     delete,
     get,
     leased_by,
+    parse_location,
     put,
     range_end,
     txn,
@@ -72,17 +73,26 @@ atexit.register(_close_at_exit)
 class EtcdAttempt(Attempt):
     """An acquisition queued as a key under the lock's prefix.
 
-    Its key and lease are the backend's record of ``owner`` (``state.entries``,
-    which release and extend read too); waiting watches the key ahead of
-    it, and giving up deletes its key.
+    It keeps its queue entry (the key and its lease) and the key just ahead of
+    it, which waiting watches for its delete; giving up deletes its key. The
+    backend also records the entry under the owner (``state.entries``): once
+    granted, release, extend and detach find the key there.
     """
 
     backend: EtcdBackend
+    #: Our key in the queue, once put (None: not queued, or it is gone).
+    entry: Entry | None = None
+    #: The key just ahead of ours and the revision at which we saw it.
+    ahead: tuple[bytes, int] | None = None
+
+    def try_acquire(self) -> int | Grant | None:
+        return self.backend._try_acquire(self)
 
     def wait(self, remaining: float | None) -> None:
-        self.backend._watch_ahead(self.name, self.owner, remaining)
+        self.backend._watch_ahead(self, remaining)
 
     def abandon(self) -> None:
+        self.entry = self.ahead = None
         self.backend._leave_queue(self.name, self.owner)
 
 
@@ -111,46 +121,16 @@ class EtcdBackend(BaseLockBackend):
             raise self.config_error("OPTIONS 'cert' and 'key' go together (a client certificate).")
         if ("user" in options) != ("password" in options):
             raise self.config_error("OPTIONS 'user' and 'password' go together.")
-        self.endpoints, self.secure = self._parse_location()
+        try:
+            self.endpoints, self.secure = parse_location(self.location, options)
+        except ValueError as e:
+            raise self.config_error(str(e)) from None
         self.root = f"{self.key_prefix}dlock/".encode()
         self._state: Sessions | None = None
         self._state_mutex = threading.Lock()
         # Building the keys and the range op shows in the uncontended cycle.
         self._names = functools.lru_cache(maxsize=4096)(self._make_names)
         _backends.add(self)
-
-    def _parse_location(self) -> tuple[list[str], bool]:
-        location = self.location if self.location is not None else "127.0.0.1:2379"
-        if isinstance(location, str):
-            items = [location]
-        elif isinstance(location, Sequence) and location and not isinstance(location, bytes):
-            items = list(location)
-        else:
-            raise self.config_error(
-                "LOCATION must be an endpoint 'host:port' (or http:// / https:// URL) or a "
-                "list of them."
-            )
-        schemes = set()
-        endpoints = []
-        for item in items:
-            if not isinstance(item, str) or not item:
-                raise self.config_error(f"{item!r} is not an etcd endpoint 'host:port'.")
-            scheme, sep, rest = item.partition("://")
-            if not sep:
-                scheme, rest = "", item
-            if scheme not in ("", "http", "https"):
-                raise self.config_error(f"{item!r}: the scheme must be http or https.")
-            host, colon, port = rest.rstrip("/").rpartition(":")
-            if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise self.config_error(f"{item!r} is not an etcd endpoint 'host:port'.")
-            schemes.add(scheme)
-            endpoints.append(f"{host}:{port}")
-        tls_files = any(self.options.get(k) for k in ("ca", "cert", "key"))
-        if "http" in schemes and (tls_files or "https" in schemes):
-            raise self.config_error(
-                "http:// endpoints do not use TLS; use https:// with OPTIONS 'ca'/'cert'/'key'."
-            )
-        return endpoints, "https" in schemes or tls_files
 
     def check(self) -> list[checks.CheckMessage]:
         messages: list[checks.CheckMessage] = []
@@ -232,15 +212,23 @@ class EtcdBackend(BaseLockBackend):
     def do_acquire(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
     ) -> int | Grant | None:
+        """One attempt on its own, going on from ``owner``'s queued key if it has one."""
+        attempt = EtcdAttempt(self, name, owner, ttl, ({}, holder), renew)
+        attempt.entry = self.state.entries.get(owner)
+        return self._try_acquire(attempt)
+
+    def _try_acquire(self, attempt: EtcdAttempt) -> int | Grant | None:
+        name, owner, ttl, holder, renew = (
+            attempt.name, attempt.owner, attempt.ttl, attempt.holder[1], attempt.renew,
+        )  # fmt: skip
         state = self.state
         started = time.monotonic()
-        entry = state.entries.get(owner)
-        if entry is not None:
-            return self._recheck(name, owner, entry, ttl)
+        if attempt.entry is not None:
+            return self._recheck(attempt)
         base, _, newest_two = self._names(name)
         lease = self.state.take_slot(name, base, ttl, renew)
         key = base + f"{lease.id:x}".encode()
-        entry = Entry(base, key, lease, lease)
+        entry = attempt.entry = Entry(base, key, lease, lease)
         with state.mutex:
             state.entries[owner] = entry
         request = txn(
@@ -264,7 +252,7 @@ class EtcdBackend(BaseLockBackend):
                 if kv is not None and retried and kv.lease == lease.id:
                     # Our put was applied by the try that failed over: the key is ours.
                     entry.revision = kv.create_revision
-                    return self._recheck(name, owner, entry, ttl)
+                    return self._recheck(attempt)
                 if kv is not None:
                     # Left by a release of ours that could not reach etcd: never
                     # reuse its revision as a token; delete it and put anew.
@@ -279,10 +267,12 @@ class EtcdBackend(BaseLockBackend):
         except LeaseNotFound:
             # Revoked behind our back, or etcd lost its data: use a new lease.
             lease.expires = 0.0
+            attempt.entry = None
             self.state.forget(owner)
             self.state.drop_session(lease)
-            return self.do_acquire(name, owner, ttl, holder, renew)
+            return self._try_acquire(attempt)
         except BaseException:
+            attempt.entry = None
             self.state.forget(owner)
             if not lease.private:
                 # The put may have been applied (a timeout, a cancelled call):
@@ -293,11 +283,13 @@ class EtcdBackend(BaseLockBackend):
         ahead = [kv for kv in reply.responses[1].response_range.kvs if kv.key != key]
         if not ahead:
             return self._granted(name, entry, ttl, started)
-        entry.ahead = (ahead[0].key, reply.header.revision)
+        attempt.ahead = (ahead[0].key, reply.header.revision)
         return None
 
-    def _recheck(self, name: str, owner: str, entry: Entry, ttl: float) -> int | Grant | None:
+    def _recheck(self, attempt: EtcdAttempt) -> int | Grant | None:
         """After a wait: are we first now? If not, whom to watch next."""
+        name, entry = attempt.name, attempt.entry
+        assert entry is not None
         _, end, _ = self._names(name)
         reply = self._txn(
             name,
@@ -319,12 +311,13 @@ class EtcdBackend(BaseLockBackend):
         if not reply.succeeded:
             # Our key is gone (its lease ran out, or someone broke the queue
             # entry): queue again at the back.
-            self.state.forget(owner)
+            attempt.entry = attempt.ahead = None
+            self.state.forget(attempt.owner)
             return None
         ahead = reply.responses[0].response_range.kvs
         if not ahead:
-            return self._granted(name, entry, ttl, None)
-        entry.ahead = (ahead[0].key, reply.header.revision)
+            return self._granted(name, entry, attempt.ttl, None)
+        attempt.ahead = (ahead[0].key, reply.header.revision)
         return None
 
     def _granted(self, name: str, entry: Entry, ttl: float, started: float | None) -> int | Grant:
@@ -339,23 +332,23 @@ class EtcdBackend(BaseLockBackend):
             return entry.revision
         return Grant(entry.revision, lease.expires, max(lease.expires - now, 0.001))
 
-    def _watch_ahead(self, name: str, owner: str, remaining: float | None) -> None:
+    def _watch_ahead(self, attempt: EtcdAttempt, remaining: float | None) -> None:
         """Watch the key ahead of ours for its delete; keep our lease alive meanwhile."""
-        entry = self.state.entries.get(owner)
-        if entry is None or entry.ahead is None:
+        entry, ahead = attempt.entry, attempt.ahead
+        if entry is None or ahead is None:
             return
         lease = entry.lease
         refresh_in = lease.expires - time.monotonic() - lease.ttl / 2
         timeout = refresh_in if remaining is None else min(remaining, refresh_in)
         if timeout > 0:
             watches = self.state.watches
-            wake = watches.watch(entry.ahead[0], entry.ahead[1] + 1)
+            wake = watches.watch(ahead[0], ahead[1] + 1)
             try:
                 wake.event.wait(timeout)
             finally:
                 watches.cancel(wake)
         if lease.expires - time.monotonic() <= lease.ttl / 2:
-            self.state.keepalive(name, lease)
+            self.state.keepalive(attempt.name, lease)
 
     def do_release(self, name: str, owner: str) -> bool:
         entry = self.state.forget(owner, revoke=False)

@@ -58,8 +58,6 @@ class Entry:
     #: Lease whose id names the key (the lease may since have moved).
     slot: Lease
     revision: int = 0
-    #: The key just ahead of ours and the revision at which we saw it.
-    ahead: tuple[bytes, int] | None = None
 
 
 class Sessions:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import grpc
@@ -321,3 +321,38 @@ def put(key: bytes, lease_id: int, value: bytes | None = None) -> Any:
 def delete(key: bytes) -> Any:
     """Op: delete ``key``."""
     return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
+
+
+def parse_location(location: Any, options: Mapping[str, Any]) -> tuple[list[str], bool]:
+    """LOCATION's endpoints ("host:port") and whether they use TLS; ValueError if malformed."""
+    location = location if location is not None else "127.0.0.1:2379"
+    if isinstance(location, str):
+        items = [location]
+    elif isinstance(location, Sequence) and location and not isinstance(location, bytes):
+        items = list(location)
+    else:
+        raise ValueError(
+            "LOCATION must be an endpoint 'host:port' (or http:// / https:// URL) or a "
+            "list of them."
+        )
+    schemes = set()
+    endpoints = []
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"{item!r} is not an etcd endpoint 'host:port'.")
+        scheme, sep, rest = item.partition("://")
+        if not sep:
+            scheme, rest = "", item
+        if scheme not in ("", "http", "https"):
+            raise ValueError(f"{item!r}: the scheme must be http or https.")
+        host, colon, port = rest.rstrip("/").rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{item!r} is not an etcd endpoint 'host:port'.")
+        schemes.add(scheme)
+        endpoints.append(f"{host}:{port}")
+    tls_files = any(options.get(k) for k in ("ca", "cert", "key"))
+    if "http" in schemes and (tls_files or "https" in schemes):
+        raise ValueError(
+            "http:// endpoints do not use TLS; use https:// with OPTIONS 'ca'/'cert'/'key'."
+        )
+    return endpoints, "https" in schemes or tls_files
