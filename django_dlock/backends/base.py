@@ -428,20 +428,20 @@ class BaseLockBackend:
         meantime, and ``ValueError`` for a ticket that is not one of ours or
         names another backend alias.
         """
-        name, owner, token, held_ttl, holder, state = self._take_up(ticket)
-        ttl = held_ttl if ttl is None else validate_ttl(ttl)
+        t = Ticket.parse(ticket, self.alias)
+        ttl = t.ttl if ttl is None else validate_ttl(ttl)
         adopter = new_owner()
         sent = time.monotonic()
-        if not self.do_adopt(name, owner, adopter, ttl, state):
+        if not self.do_adopt(t.name, t.owner, adopter, ttl, t.state):
             raise LockNotOwned(
-                f"Lock {name!r} (token {token}) on backend {self.alias!r} cannot be adopted: "
-                "its lease ran out, was broken, or was adopted already.",
-                name=name,
+                f"Lock {t.name!r} (token {t.token}) on backend {self.alias!r} cannot be "
+                "adopted: its lease ran out, was broken, or was adopted already.",
+                name=t.name,
                 backend=self.alias,
             )
         return HeldLock(
-            self, name, adopter, token,
-            ttl=ttl, expires=sent + ttl, lease=ttl, holder=holder, renew=renew,
+            self, t.name, adopter, t.token,
+            ttl=ttl, expires=sent + ttl, lease=ttl, holder=t.holder, renew=renew,
         )  # fmt: skip
 
     def release_ticket(self, ticket: Mapping[str, Any]) -> bool:
@@ -453,15 +453,8 @@ class BaseLockBackend:
         had run out, been broken or been adopted. Sends no signal: no handle
         held it here.
         """
-        name, owner, _, _, _, state = self._take_up(ticket)
-        return self.do_release_ticket(name, owner, state)
-
-    def _take_up(
-        self, ticket: Mapping[str, Any]
-    ) -> tuple[str, str, int, float, dict[str, Any], Any]:
-        """A ticket's name, owner, token, TTL, holder and backend state; ValueError if bad."""
         t = Ticket.parse(ticket, self.alias)
-        return t.name, t.owner, t.token, t.ttl, t.holder, t.state
+        return self.do_release_ticket(t.name, t.owner, t.state)
 
     def drift(self, ttl: float) -> float:
         """Seconds of a ``ttl`` lease that a holder must not count on.
