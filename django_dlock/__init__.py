@@ -11,10 +11,11 @@ The public API::
 See docs/ for the guarantees each backend gives.
 """
 
-from .backends.base import LockInfo, ServerStatus
+from .backends.base import LockInfo, SemaphoreInfo, ServerStatus
 from .exceptions import (
     BackendUnavailable,
     DLockError,
+    LimitMismatch,
     LockInTransaction,
     LockLost,
     LockNotOwned,
@@ -24,19 +25,26 @@ from .exceptions import (
 from .handle import HeldLock
 from .handler import locks
 from .lock import Lock, lock
+from .semaphores import RWLock, Semaphore, rwlock, semaphore
 
 __all__ = [
     "BackendUnavailable",
     "DLockError",
     "HeldLock",
+    "LimitMismatch",
     "Lock",
     "LockInTransaction",
     "LockInfo",
     "LockLost",
     "LockNotOwned",
     "LockTimeout",
+    "RWLock",
+    "Semaphore",
+    "SemaphoreInfo",
     "ServerStatus",
     "StaleWrite",
     "lock",
     "locks",
+    "rwlock",
+    "semaphore",
 ]

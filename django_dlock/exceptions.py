@@ -14,6 +14,7 @@ them the Django way, each with a stable check id.
     ├── LockLost                    the lease is gone: expired, broken, or renewal failed
     │   └── LockNotOwned            release/extend by a handle whose lease is not current
     ├── BackendUnavailable          the lock service could not be reached; .transient
+    ├── LimitMismatch               a semaphore held with another ``limit`` (also ValueError)
     └── StaleWrite                  a fenced write carried an older fencing token
 
     django.core.exceptions.ImproperlyConfigured
@@ -80,6 +81,23 @@ class BackendUnavailable(DLockError):
     ) -> None:
         super().__init__(message, name=name, backend=backend)
         self.transient = transient
+
+
+class LimitMismatch(DLockError, ValueError):
+    """A semaphore was asked for with a ``limit`` other than the one its holders use.
+
+    ``held_limit`` is the limit of the live holders (or waiters), ``limit`` the
+    one asked for. A read/write lock and a semaphore of the same name also
+    collide here. Release every holder (or wait for their leases to end)
+    before changing a semaphore's limit.
+    """
+
+    def __init__(
+        self, message: str, *, name: str, backend: str, limit: int, held_limit: int
+    ) -> None:
+        super().__init__(message, name=name, backend=backend)
+        self.limit = limit
+        self.held_limit = held_limit
 
 
 class LockInTransaction(LockTimeout):

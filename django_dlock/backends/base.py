@@ -55,6 +55,36 @@ to ``do_acquire``; ``docs/development.md`` walks through writing one.
     Release a handed-over lease that nobody adopted; owner-checked like
     ``do_release`` (the default calls it), so it is False once adopted.
 
+Semaphores and read/write locks (``slots.py``; a backend that has them sets
+``supports_semaphores``) live in a keyspace of their own, apart from the
+mutexes, and have primitives of their own, all atomic on the service:
+
+``do_acquire_slot(name, owner, ttl, holder, renew, limit, weight)``
+    Drop the holders and waiters of semaphore ``name`` whose leases ended by
+    the service's clock. If a live holder or waiter has another limit, raise
+    ``self.limit_mismatch(name, limit, theirs)``. Grant ``owner`` a slot
+    (as ``do_acquire``: a token from the name's fencing counter, a lease of
+    ``ttl``, ``holder`` stored) if the weights held plus ``weight`` fit in
+    ``limit`` and, when ``weight < limit``, no other owner waits with
+    ``weight == limit`` (a writer: a waiting writer stops new readers);
+    granted, ``owner``'s waiter record goes. Refused, record or refresh
+    ``owner`` as a waiter (``weight``, ``limit``, ending ``ttl`` from now) and
+    return None. A backend that queues waiters (etcd) grants in arrival order.
+``do_leave_slot(name, owner)``
+    Forget ``owner``'s waiter record (the attempt gave up).
+``do_release_slot`` / ``do_extend_slot`` / ``do_check_slot``
+    As ``do_release``/``do_extend``/``do_check``, for ``owner``'s slot.
+``do_break_slot(name, token)``
+    Delete the slot with fencing token ``token`` (None: every slot of
+    ``name``); return how many went.
+``do_list_slots(prefix)``
+    The live holders and waiters of semaphores whose names start with ``prefix``.
+``do_park(name, key, order, payload)`` / ``do_unpark(name, count)``
+``do_unpark_key(name, key)`` / ``do_list_parked(prefix)``
+    The queue of Celery tasks parked on semaphore ``name``: add or replace
+    the entry ``key`` (kept until unparked: no lease); remove and return the
+    ``count`` entries of smallest ``order``; remove one entry; list them.
+
 Capabilities are declared as attributes (``supports_fair``,
 ``supports_wakeups``, ``supports_multiprocess``, ``supports_shared_leases``),
 and the conformance suite skips, with the reason, what a backend declares it
@@ -64,6 +94,7 @@ cannot do.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextvars
 import functools
 import logging
@@ -89,6 +120,7 @@ from ..exceptions import (
     BackendUnavailable,
     InvalidLockOption,
     InvalidTTL,
+    LimitMismatch,
     LockConfigurationError,
     LockNotOwned,
 )
@@ -105,7 +137,7 @@ from .attempts import (
     release_unwanted,
     retrieve_outcome,
 )
-from .types import Grant, LockInfo, ServerStatus
+from .types import Grant, LockInfo, ParkedTask, SemaphoreInfo, ServerStatus, SlotEntry
 
 # What a backend module needs, from one place (docs/development.md).
 __all__ = [
@@ -116,7 +148,10 @@ __all__ = [
     "BaseLockBackend",
     "Grant",
     "LockInfo",
+    "ParkedTask",
+    "SemaphoreInfo",
     "ServerStatus",
+    "SlotEntry",
     "backoff",
     "load_holder",
     "micros_to_datetime",
@@ -159,6 +194,12 @@ class BaseLockBackend:
     uses_django_connections: ClassVar[bool] = False
     #: What one acquisition makes: try, wait, give up (see ``attempts.py``).
     attempt_class: ClassVar[type[Attempt]] = Attempt
+    #: Does it keep semaphores and read/write locks (the ``*_slot`` primitives)?
+    supports_semaphores: ClassVar[bool] = False
+    #: Are a semaphore's waiters granted in the order they first asked?
+    supports_fair_semaphores: ClassVar[bool] = False
+    #: What one acquisition of a semaphore makes (None: ``slots.SlotAttempt``).
+    slot_attempt_class: ClassVar[type[Attempt] | None] = None
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
     allowed_options: ClassVar[frozenset[str]] = frozenset()
 
@@ -288,6 +329,57 @@ class BaseLockBackend:
     def do_release_ticket(self, name: str, owner: str, state: Any) -> bool:
         """Release a lease ``do_detach`` handed over, if ``owner`` still holds it."""
         return self.do_release(name, owner)
+
+    # --- semaphores and read/write locks: see the module docstring -----------------------
+
+    def do_acquire_slot(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool, limit: int, weight: int
+    ) -> int | Grant | None:
+        raise NotImplementedError
+
+    def do_leave_slot(self, name: str, owner: str) -> None:
+        raise NotImplementedError
+
+    def do_release_slot(self, name: str, owner: str) -> bool:
+        raise NotImplementedError
+
+    def do_extend_slot(self, name: str, owner: str, ttl: float) -> bool:
+        raise NotImplementedError
+
+    def do_check_slot(self, name: str, owner: str) -> bool:
+        raise NotImplementedError
+
+    def do_break_slot(self, name: str, token: int | None) -> int:
+        raise NotImplementedError
+
+    def do_list_slots(self, prefix: str) -> list[SlotEntry]:
+        raise NotImplementedError
+
+    def do_park(self, name: str, key: str, order: int, payload: str) -> None:
+        raise NotImplementedError
+
+    def do_unpark(self, name: str, count: int) -> list[ParkedTask]:
+        raise NotImplementedError
+
+    def do_unpark_key(self, name: str, key: str) -> bool:
+        raise NotImplementedError
+
+    def do_list_parked(self, prefix: str) -> list[ParkedTask]:
+        raise NotImplementedError
+
+    def limit_mismatch(self, name: str, limit: int, held_limit: int) -> LimitMismatch:
+        """The error ``do_acquire_slot`` raises when ``name`` is held with another limit."""
+        from .slots import describe_limit
+
+        return LimitMismatch(
+            f"Semaphore {name!r} on backend {self.alias!r} is held as "
+            f"{describe_limit(held_limit)}, not as {describe_limit(limit)}: release "
+            "its holders (or let their leases end) before changing its limit.",
+            name=name,
+            backend=self.alias,
+            limit=limit,
+            held_limit=held_limit,
+        )
 
     def check(self) -> list[CheckMessage]:
         """Backend-specific system check messages (static: no network)."""
@@ -495,6 +587,30 @@ class BaseLockBackend:
         if token is not None and (isinstance(token, bool) or not isinstance(token, int)):
             raise TypeError(f"token must be an int or None, not {type(token).__name__}.")
         broken = self.do_break(name, token)
+        if broken:
+            lock_broken.send(sender=type(self), backend=self.alias, name=name, token=token)
+        return broken
+
+    def semaphores(self, prefix: str = "") -> builtins.list[SemaphoreInfo]:
+        """Semaphores and read/write locks whose names start with ``prefix``, sorted by name.
+
+        Each with its limit, its holders (by fencing token), how many wait,
+        and how many Celery tasks are parked on it.
+        """
+        from .slots import list_semaphores
+
+        return list_semaphores(self, validate_name(prefix, what="A lock name prefix"))
+
+    def break_slot(self, name: str, token: int | None = None) -> int:
+        """Free the slot of semaphore (or read/write lock) ``name`` with fencing token ``token``.
+
+        None frees every slot. Returns how many were freed; their holders
+        find out as a mutex's do (``LockLost``).
+        """
+        name = validate_name(name)
+        if token is not None and (isinstance(token, bool) or not isinstance(token, int)):
+            raise TypeError(f"token must be an int or None, not {type(token).__name__}.")
+        broken = self.do_break_slot(name, token)
         if broken:
             lock_broken.send(sender=type(self), backend=self.alias, name=name, token=token)
         return broken

@@ -54,3 +54,52 @@ class ServerStatus:
     version: str
     latency: float
     warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SlotEntry:
+    """One holder (``info`` is its lease) or waiter (``info`` is None) of a semaphore.
+
+    What a backend's ``do_list_slots`` returns; ``weight`` is 1 for a
+    semaphore's holder or a reader, ``limit`` for a writer.
+    """
+
+    name: str
+    limit: int
+    weight: int
+    info: LockInfo | None
+
+
+@dataclass(frozen=True)
+class SemaphoreInfo:
+    """A semaphore or read/write lock with live holders, waiters or parked tasks.
+
+    ``kind`` is "semaphore" or "rwlock"; ``holders`` are their leases by
+    fencing token, and ``modes`` says for each whether it holds a "slot",
+    "read" or "write". ``waiting`` counts the acquisitions waiting now (on
+    backends that record them), ``parked`` the Celery tasks parked by
+    ``on_locked="defer"``.
+    """
+
+    backend: str
+    name: str
+    kind: str
+    limit: int
+    holders: tuple[LockInfo, ...]
+    modes: tuple[str, ...]
+    waiting: int = 0
+    parked: int = 0
+
+
+@dataclass(frozen=True)
+class ParkedTask:
+    """A Celery task parked on a full semaphore, as ``do_list_parked`` returns it.
+
+    ``key`` identifies it (the task id), ``order`` is its place in the queue
+    (smaller first) and ``payload`` the JSON text that re-enqueues it.
+    """
+
+    name: str
+    key: str
+    order: int
+    payload: str
