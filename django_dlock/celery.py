@@ -14,7 +14,11 @@ lock={...})`` works as well. Lock options (``docs/celery.md`` has the table):
 ``on_locked``
     What a call does when its lock is held: ``"skip"`` (log, send
     ``task_skipped``, return None), ``"retry"`` (``self.retry()``),
-    ``"raise"`` (``LockTimeout``) or ``"wait"`` (up to ``timeout`` seconds).
+    ``"raise"`` (``LockTimeout``), ``"wait"`` (up to ``timeout`` seconds) or
+    ``"defer"``: park the call in the lock service and re-enqueue it when a
+    run of the same key ends (see "Deferred calls" below).
+``limit``
+    Run at most ``limit`` bodies per key at once (a semaphore) instead of one.
 ``scope``
     ``"run"``: the lock is held while the body runs. ``"queue"``: it is taken
     in ``apply_async``, so a duplicate is not even enqueued, travels with the
@@ -39,6 +43,8 @@ The lifecycle, walked through in time, with the cases the peers get wrong:
     --  A message revoked before it ran releases its queue lease in the
         worker that discards it. A terminated or killed worker renews
         nothing, so its lease runs out within the TTL.
+
+Deferred calls (``on_locked="defer"``): see :mod:`django_dlock.parking`.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ import hashlib
 import inspect
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -54,25 +62,35 @@ from datetime import datetime, timezone
 from typing import Any, ClassVar
 
 from celery import Task, current_app, shared_task
-from celery.signals import task_revoked
+from celery.exceptions import Ignore
+from celery.signals import task_revoked, worker_ready
 from django.core import checks
 from kombu.utils.uuid import uuid
 
 from . import conf
 from ._validation import validate_timeout, validate_ttl
+from .backends.slots import SlotView, validate_limit
 from .exceptions import LockLost, LockTimeout
 from .handle import HeldLock
 from .handler import locks
 from .keys import KeyTemplate
-from .signals import task_skipped
+from .parking import ORDER_HEADER, header, park_payload, send_parked, send_parked_calls
+from .signals import task_deferred, task_skipped
 
-__all__ = ["HEADER", "LockOptions", "LockedTask", "locked_task"]
+__all__ = [
+    "HEADER",
+    "ORDER_HEADER",
+    "LockOptions",
+    "LockedTask",
+    "locked_task",
+    "send_parked_calls",
+]
 
 logger = logging.getLogger("django_dlock.celery")
 
 #: Message header that carries a queue-scope lease's ticket to the worker.
 HEADER = "django_dlock"
-ON_LOCKED = ("skip", "retry", "raise", "wait")
+ON_LOCKED = ("skip", "retry", "raise", "wait", "defer")
 SCOPES = ("run", "queue")
 
 #: Visibility timeouts of the transports that redeliver unacknowledged
@@ -102,6 +120,7 @@ class LockOptions:
     scope: str = "run"
     timeout: float | None = None
     countdown: float | None = None
+    limit: int | None = None
 
     @classmethod
     def parse(cls, value: Any, task: str = "the task") -> LockOptions:
@@ -142,6 +161,13 @@ class LockOptions:
             raise ValueError(f"timeout applies to on_locked='wait' only ({task}).")
         if "countdown" in value and on_locked != "retry":
             raise ValueError(f"countdown applies to on_locked='retry' only ({task}).")
+        limit = value.get("limit")
+        limit = None if limit is None else validate_limit(limit)
+        if scope == "queue" and (limit is not None or on_locked == "defer"):
+            raise ValueError(
+                f"limit and on_locked='defer' apply to scope='run' only ({task}): a "
+                "semaphore's slot cannot travel with a message, nor be parked."
+            )
         countdown = value.get("countdown")
         if countdown is not None and (
             isinstance(countdown, bool) or not isinstance(countdown, (int, float)) or countdown < 0
@@ -155,7 +181,13 @@ class LockOptions:
             scope=scope,
             timeout=validate_timeout(value.get("timeout")),
             countdown=None if countdown is None else float(countdown),
+            limit=limit,
         )
+
+    def target(self) -> Any:
+        """The backend to acquire on: the alias's, or its semaphore view with ``limit``."""
+        backend = locks[self.backend]
+        return backend if self.limit is None else SlotView(backend, self.limit, 1)
 
 
 class _CurrentLock:
@@ -266,6 +298,8 @@ class LockedTask(Task):  # type: ignore[misc]
             # raised: the body's work is done, and failing the task now could
             # make autoretry_for run it again.
             held.release_quietly()
+            if self.lock_options.on_locked == "defer":
+                send_parked(self.app, self.lock_options.backend, key, 1)
 
     def _adopt(self, ticket: Mapping[str, Any]) -> HeldLock | None:
         try:
@@ -301,7 +335,7 @@ class LockedTask(Task):  # type: ignore[misc]
         options = self.lock_options
         scope = "run" if renew else "queue"
         try:
-            return locks[options.backend].acquire(
+            return options.target().acquire(  # type: ignore[no-any-return]
                 key,
                 ttl=ttl,
                 timeout=options.timeout if options.on_locked == "wait" else 0,
@@ -313,8 +347,50 @@ class LockedTask(Task):  # type: ignore[misc]
                 raise
             if options.on_locked == "retry":  # run scope only: LockOptions refuses it in queue
                 raise self.retry(exc=e, countdown=options.countdown) from e
+            if options.on_locked == "defer":
+                return self._park(key, task_id, request, args, kwargs)
             self._skipped(key, task_id, scope, args, kwargs)
             return None
+
+    def _park(
+        self, key: str, task_id: str | None, request: Any, args: Any, kwargs: Any
+    ) -> HeldLock:
+        """Park this call on ``key`` and end the run; or run now if a slot freed meanwhile."""
+        options = self.lock_options
+        if task_id is None or request is None or getattr(request, "is_eager", False):
+            raise LockTimeout(
+                f"{self.name} cannot be deferred here: on_locked='defer' parks a message "
+                "for a worker to send again, and this call has none (called directly or "
+                "eagerly).",
+                name=key,
+                backend=options.backend,
+            )
+        order = header(request, ORDER_HEADER)
+        if not isinstance(order, int) or isinstance(order, bool):
+            order = time.time_ns() // 1000
+        delivery = getattr(request, "delivery_info", None) or {}
+        payload = park_payload(self.name, args, kwargs, delivery, order, options.limit)
+        backend = locks[options.backend]
+        backend.do_park(key, task_id, order, payload)
+        logger.info("Deferred %s[%s]: no free slot on %r.", self.name, task_id, key)
+        # A run that ended before the parking landed popped nobody: take its slot.
+        metadata = self._metadata(task_id, request, "run")
+        try:
+            held: HeldLock = options.target().acquire(
+                key, ttl=options.ttl, timeout=0, metadata=metadata
+            )
+        except LockTimeout:
+            task_deferred.send(
+                type(self), task=self, task_id=task_id, name=key, backend=options.backend,
+                args=args, kwargs=kwargs,
+            )  # fmt: skip
+            raise Ignore() from None
+        if backend.do_unpark_key(key, task_id):
+            return held
+        # Popped and sent again meanwhile: that message runs it, not this one.
+        held.release_quietly()
+        send_parked(self.app, options.backend, key, 1)
+        raise Ignore()
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry()``; in run scope the lease is released before the retry is sent.
@@ -412,7 +488,7 @@ def locked_task(*args: Any, **options: Any) -> Any:
     """``shared_task`` with ``base=LockedTask``: every Celery option passes through.
 
     Lock options are keywords (``key``, ``ttl``, ``backend``, ``on_locked``,
-    ``scope``, ``timeout``, ``countdown``) or a ``lock={...}`` dict. ``backend``
+    ``scope``, ``timeout``, ``countdown``, ``limit``) or a ``lock={...}`` dict. ``backend``
     is the lock backend alias; Celery's per-task result backend, which shares
     the name, is passed as ``result_backend=``. Works bare (``@locked_task``).
     """
@@ -450,6 +526,28 @@ def _ticket(request: Any) -> Mapping[str, Any] | None:
     if value is None:
         value = (getattr(request, "headers", None) or {}).get(HEADER)
     return value if isinstance(value, Mapping) else None
+
+
+@worker_ready.connect  # type: ignore[untyped-decorator]
+def _send_parked_on_start(sender: Any = None, rounds: int = 3, **kwargs: Any) -> None:
+    """Send parked calls whose slots are free; look again when the blocking leases end.
+
+    At most ``rounds`` looks: after that the runs of the key that end pop them.
+    """
+    app = getattr(sender, "app", None) or current_app
+    try:
+        sent, wake_in = send_parked_calls(app)
+    except Exception:
+        logger.warning("Could not look for deferred calls to send", exc_info=True)
+        return
+    if sent:
+        logger.info("Sent again %d deferred call(s) whose slots are free.", sent)
+    if wake_in is not None and rounds > 1:
+        timer = threading.Timer(
+            wake_in + 0.5, _send_parked_on_start, kwargs={"sender": sender, "rounds": rounds - 1}
+        )
+        timer.daemon = True
+        timer.start()
 
 
 def _release_ticket(ticket: Mapping[str, Any]) -> None:

@@ -19,6 +19,11 @@ skipped because its lock is held (``on_locked="skip"``), with ``sender`` = the
 task class and ``task`` (the task), ``task_id``, ``name`` (the lock key),
 ``backend``, ``scope`` (``"run"``: the body did not run; ``"queue"``: the
 message was not sent), ``args`` and ``kwargs``.
+
+``task_deferred`` is sent by ``django_dlock.celery`` when a call of a task
+with ``on_locked="defer"`` was parked (its message is acknowledged; it will be
+sent again when a slot frees), with the same arguments as ``task_skipped``
+less ``scope``.
 """
 
 from __future__ import annotations
@@ -30,3 +35,4 @@ lock_released = Signal()
 lock_lost = Signal()
 lock_broken = Signal()
 task_skipped = Signal()
+task_deferred = Signal()

@@ -9,6 +9,10 @@ remaining lease, in whole seconds, at least 1. With ``timeout`` it waits up
 to that many seconds first. The lock is held while the view runs and
 released when it returns or raises. A streamed response's body is sent after
 the release.
+
+With ``limit=N`` the lock is a semaphore: at most N requests run the view at
+once, and the next answers **429 Too Many Requests** (or ``status``), with
+``Retry-After`` the shortest remaining lease of the N holders.
 """
 
 from __future__ import annotations
@@ -25,13 +29,17 @@ from django.http import HttpRequest, HttpResponse
 
 from . import conf, holders, keys
 from .exceptions import LockTimeout
+from .handler import locks
 from .keys import KeyTemplate
 from .lock import Lock
+from .semaphores import Semaphore
 
 V = TypeVar("V", bound=Callable[..., Any])
 
 #: 423 Locked (RFC 4918): the resource is locked by another request.
 LOCKED = 423
+#: 429 Too Many Requests (RFC 6585): a view's ``limit`` of requests at once is reached.
+TOO_MANY = 429
 
 
 def view_lock_name(
@@ -65,13 +73,23 @@ def lock_name(template: str, request: HttpRequest, view_kwargs: Mapping[str, Any
     return view_lock_name(template, request, view_kwargs)
 
 
-def locked_response(name: str, backend: str, status: int = LOCKED) -> HttpResponse:
-    """The answer to a request that found ``name`` held: ``status`` and ``Retry-After``."""
-    found = holders.find_holders(name, backend).holders
-    remaining = found[0].expires_in if found else 1.0
+def locked_response(
+    name: str, backend: str, status: int = LOCKED, *, limit: int | None = None
+) -> HttpResponse:
+    """The answer to a request that found ``name`` held: ``status`` and ``Retry-After``.
+
+    With ``limit``, ``name`` is a semaphore: the shortest lease of its holders.
+    """
+    if limit is None:
+        found = holders.find_holders(name, backend).holders
+        what = "locked by another request"
+    else:
+        found = [h for i in locks[backend].semaphores(name) if i.name == name for h in i.holders]
+        what = f"busy ({limit} request{'s' if limit > 1 else ''} at once)"
+    remaining = min((h.expires_in for h in found), default=1.0)
     retry_after = 1 if not math.isfinite(remaining) else max(1, math.ceil(remaining))
     response = HttpResponse(
-        f"{name!r} is locked by another request; retry after {retry_after} s.\n",
+        f"{name!r} is {what}; retry after {retry_after} s.\n",
         status=status,
         content_type="text/plain; charset=utf-8",
     )
@@ -89,17 +107,24 @@ class _Guard:
         timeout: float | None,
         ttl: float | None,
         backend: str,
-        status: int,
+        status: int | None,
         metadata: Mapping[str, Any] | None,
+        limit: int | None = None,
     ) -> None:
         if not isinstance(key, str) or not key:
             raise TypeError("The lock key must be a non-empty str template.")
         self.key = key
         self.template = KeyTemplate(key)
-        self.backend, self.status = backend, status
+        self.backend, self.limit = backend, limit
+        self.status = status if status is not None else (LOCKED if limit is None else TOO_MANY)
         # Validates the options where the view is defined; each request
         # acquires it under its own name.
-        self.lock = Lock(key, ttl=ttl, timeout=timeout, backend=backend, metadata=metadata)
+        options: dict[str, Any] = {
+            "ttl": ttl, "timeout": timeout, "backend": backend, "metadata": metadata,
+        }  # fmt: skip
+        self.lock = (
+            Lock(key, **options) if limit is None else Semaphore(key, limit=limit, **options)
+        )
 
     def run(
         self, request: HttpRequest, view_kwargs: Mapping[str, Any], call: Callable[[], Any]
@@ -108,7 +133,7 @@ class _Guard:
         try:
             held = self.lock.acquire_handle(name=name)
         except LockTimeout:
-            return locked_response(name, self.backend, self.status)
+            return locked_response(name, self.backend, self.status, limit=self.limit)
         try:
             return call()
         finally:
@@ -121,7 +146,10 @@ class _Guard:
         try:
             held = await self.lock.aacquire_handle(name=name)  # native where the backend is
         except LockTimeout:
-            return await asyncio.to_thread(locked_response, name, self.backend, self.status)
+            return await asyncio.to_thread(
+                functools.partial(locked_response, limit=self.limit),
+                name, self.backend, self.status,
+            )  # fmt: skip
         try:
             return await call()
         finally:
@@ -134,13 +162,19 @@ def lock_view(
     timeout: float | None = 0,
     ttl: float | None = None,
     backend: str = conf.DEFAULT_ALIAS,
-    status: int = LOCKED,
+    status: int | None = None,
     metadata: Mapping[str, Any] | None = None,
+    limit: int | None = None,
 ) -> Callable[[V], V]:
-    """Guard a function-based view, sync or async, with the lock ``key`` names."""
+    """Guard a function-based view, sync or async, with the lock ``key`` names.
+
+    ``status``: the answer when it is held (default 423; with ``limit``, 429).
+    ``limit``: let that many requests in at once (a semaphore) instead of one.
+    """
     guard = _Guard(
-        key, timeout=timeout, ttl=ttl, backend=backend, status=status, metadata=metadata
-    )
+        key, timeout=timeout, ttl=ttl, backend=backend, status=status, metadata=metadata,
+        limit=limit,
+    )  # fmt: skip
 
     def decorator(view: V) -> V:
         if iscoroutinefunction(view):
@@ -165,7 +199,8 @@ class LockRequiredMixin:
 
     Set ``lock_key`` (a template over ``self.kwargs``, ``user`` and
     ``user_pk``), and optionally ``lock_timeout`` (0), ``lock_ttl``,
-    ``lock_backend`` ("default"), ``lock_status`` (423) and ``lock_metadata``.
+    ``lock_backend`` ("default"), ``lock_status`` (423; 429 with a limit),
+    ``lock_metadata`` and ``lock_limit`` (None: one request at a time).
     Works for async views (every handler ``async def``) too.
     """
 
@@ -173,8 +208,9 @@ class LockRequiredMixin:
     lock_timeout: float | None = 0
     lock_ttl: float | None = None
     lock_backend: str = conf.DEFAULT_ALIAS
-    lock_status: int = LOCKED
+    lock_status: int | None = None
     lock_metadata: Mapping[str, Any] | None = None
+    lock_limit: int | None = None
 
     def get_lock_guard(self) -> _Guard:
         return _Guard(
@@ -184,6 +220,7 @@ class LockRequiredMixin:
             backend=self.lock_backend,
             status=self.lock_status,
             metadata=self.lock_metadata,
+            limit=self.lock_limit,
         )
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:

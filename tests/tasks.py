@@ -16,6 +16,7 @@ from typing import Any
 from celery.exceptions import Ignore, Reject
 
 from django_dlock.celery import locked_task
+from django_dlock.signals import task_deferred
 
 
 def record(log: str, **event: Any) -> None:
@@ -156,3 +157,38 @@ def later(key: str) -> str:
 @locked_task(key="holder:{key}", backend="celery", bind=True)
 def holder(self: Any, key: str, log: str, go: str) -> int:
     return _body(self, key, log, go)
+
+
+def _count(counter: str, step: int) -> int:
+    """Add ``step`` to the number in ``counter`` under an exclusive flock; return the new value."""
+    import fcntl
+
+    fd = os.open(counter, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        value = int(os.pread(fd, 16, 0) or b"0") + step
+        os.pwrite(fd, str(value).encode().ljust(16), 0)
+        return value
+    finally:
+        os.close(fd)
+
+
+@locked_task(key="limited:{key}", backend="celery", limit=2, on_locked="defer", ttl=30, bind=True)
+def limited(self: Any, key: str, log: str, counter: str, hold: float = 0.2) -> int:
+    """The section counts the bodies inside it (across processes), and records the count."""
+    inside = _count(counter, 1)
+    try:
+        record(log, key=key, token=self.lock.token, task_id=self.request.id, inside=inside)
+        time.sleep(hold)
+    finally:
+        _count(counter, -1)
+    return inside
+
+
+def _record_deferral(sender: Any, task_id: str, args: Any, kwargs: Any, **rest: Any) -> None:
+    log = kwargs.get("log") or (args[1] if len(args) > 1 else None)
+    if isinstance(log, str):
+        record(log, deferred=task_id)
+
+
+task_deferred.connect(_record_deferral, weak=False)

@@ -329,3 +329,33 @@ def test_a_whole_worker_killed_mid_task_frees_the_lock_within_ttl(
         _freed_within_ttl(key, time.monotonic())
     finally:
         process.cleanup()
+
+
+def test_limit_with_defer_runs_every_call_at_most_two_at_once(
+    redis_worker: Worker, log: str, tmp_path: Path
+) -> None:
+    """20 calls over one key, limit=2, on_locked="defer", on 6 prefork processes.
+
+    The bodies count themselves in a flock'd file: never more than 2 inside.
+    Every call runs once (none dropped, none twice), and each parked call
+    costs one extra broker message, which the test counts and prints.
+    """
+    key = f"defer-{uuid.uuid4().hex[:6]}"
+    counter = str(tmp_path / "inside")
+    sent = [redis_worker.send(tasks.limited, key, log, counter, 0.3) for _ in range(20)]
+    eventually(
+        lambda: len([e for e in tasks.read_log(log) if "inside" in e]) >= 20, 90, "20 bodies ran"
+    )
+    time.sleep(1)  # a 21st body (a call run twice) would have started by now
+    events = tasks.read_log(log)
+    bodies = [e for e in events if "inside" in e]
+    deferred = [e for e in events if "deferred" in e]
+    assert sorted(e["task_id"] for e in bodies) == sorted(s.id for s in sent)
+    assert max(e["inside"] for e in bodies) <= 2
+    assert max(e["inside"] for e in bodies) == 2  # the limit was used, not just 1
+    tokens = [e["token"] for e in bodies]
+    assert len(set(tokens)) == 20
+    # Each deferred call's result is recorded by the run sent again, under its id.
+    assert all(1 <= redis_worker.get(s, timeout=30) <= 2 for s in sent)
+    assert locks["celery"].do_list_parked(key) == []
+    print(f"\n20 calls, limit=2: {len(deferred)} parked, so {len(deferred)} extra broker messages")

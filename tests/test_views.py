@@ -136,3 +136,24 @@ def test_the_default_backend_is_used_when_none_is_named() -> None:
     with lock("plain:1"):
         assert plain(RequestFactory().get("/"), n=1).status_code == 423
     assert plain(RequestFactory().get("/"), n=1).status_code == 200
+
+
+@pytest.mark.parametrize("url", ["/export/csv/", "/class/export/pdf/"], ids=["function", "class"])
+def test_a_limit_lets_n_requests_in_and_answers_429_past_them(url: str) -> None:
+    responses: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda: responses.append(Client().get(url))) for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for _ in range(2):  # both are inside the view at once
+        assert views.limited_entered.acquire(timeout=30)
+    third = Client().get(url)
+    assert third.status_code == 429
+    assert 1 <= int(third["Retry-After"]) <= 20
+    assert "2 requests at once" in third.content.decode()
+    views.gate.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(r.status_code for r in responses) == [200, 200]
+    assert Client().get(url).status_code == 200

@@ -14,4 +14,6 @@ urlpatterns = [
     path("async/order/<int:order_id>/", views.async_order),
     path("class/order/<int:order_id>/", views.OrderView.as_view()),
     path("async-class/order/<int:order_id>/", views.AsyncOrderView.as_view()),
+    path("export/<str:kind>/", views.export),
+    path("class/export/<str:kind>/", views.ExportView.as_view()),
 ]

@@ -84,3 +84,26 @@ class AsyncOrderView(LockRequiredMixin, View):
         entered.set()
         await async_gate.wait()
         return HttpResponse(f"async class order {order_id}")
+
+
+#: Counts requests inside the limited views; a test reads it.
+limited_entered = threading.Semaphore(0)
+
+
+@lock_view("export:{kind}", backend="locmem", ttl=20, limit=2)
+def export(request: HttpRequest, kind: str) -> HttpResponse:
+    limited_entered.release()
+    gate.wait(timeout=30)
+    return HttpResponse(f"export {kind}")
+
+
+class ExportView(LockRequiredMixin, View):
+    lock_key = "export:{kind}"
+    lock_backend = "locmem"
+    lock_ttl = 20
+    lock_limit = 2
+
+    def get(self, request: HttpRequest, kind: str) -> HttpResponse:
+        limited_entered.release()
+        gate.wait(timeout=30)
+        return HttpResponse(f"class export {kind}")
