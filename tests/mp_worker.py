@@ -39,6 +39,39 @@ def main() -> None:
     while not os.path.exists(config["start"]):
         time.sleep(0.005)
     records = []
+    limit = config.get("limit")
+    if limit is not None:
+        # A semaphore: the section counts the processes inside it in a flock'd file.
+        import fcntl
+
+        from django_dlock import semaphore
+
+        inside_fd = os.open(config["inside"], os.O_RDWR)
+
+        def count(step: int) -> int:
+            fcntl.flock(inside_fd, fcntl.LOCK_EX)
+            try:
+                value = int(os.pread(inside_fd, width, 0)) + step
+                os.pwrite(inside_fd, str(value).zfill(width).encode(), 0)
+                return value
+            finally:
+                fcntl.flock(inside_fd, fcntl.LOCK_UN)
+
+        for _ in range(config["sections"]):
+            if config["use_lock"]:
+                with semaphore(config["name"], limit=limit, ttl=30, timeout=300) as held:
+                    inside = count(1)
+                    time.sleep(config["hold"])
+                    count(-1)
+                records.append((inside, held.token))
+            else:
+                inside = count(1)
+                time.sleep(config["hold"])
+                count(-1)
+                records.append((inside, None))
+        with open(config["out"], "w") as out:
+            json.dump(records, out)
+        return
     for _ in range(config["sections"]):
         if config["use_lock"]:
             with lock(config["name"], ttl=30, timeout=300) as held:

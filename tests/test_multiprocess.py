@@ -30,9 +30,11 @@ def run_workers(
     databases: dict[str, Any],
     backend: dict[str, Any],
     hold: float,
+    limit: int | None = None,
 ) -> list[tuple[int, int | None]]:
     counter = tmp_path / "counter"
     counter.write_text("0" * WIDTH)
+    (tmp_path / "inside").write_text("0" * WIDTH)
     start = tmp_path / "start"
     workers = []
     for i in range(processes):
@@ -47,6 +49,8 @@ def run_workers(
             "use_lock": use_lock,
             "hold": hold,
             "name": "mp:counter",
+            "limit": limit,
+            "inside": str(tmp_path / "inside"),
         }
         env = {**os.environ, "DLOCK_MP_CONFIG": json.dumps(config), "PYTHONPATH": str(ROOT)}
         env.pop("DJANGO_SETTINGS_MODULE", None)
@@ -123,3 +127,91 @@ def test_without_the_lock_updates_are_lost(tmp_path: Path) -> None:
     lost = processes * sections - final
     print(f"\n[no lock] {processes} x {sections}: counter={final}, lost={lost}")
     assert final < processes * sections
+
+
+def _worker_settings(alias: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    database = settings.CONFORMANCE_BACKENDS[alias]
+    backend_settings = dict(settings.DLOCK_BACKENDS[alias])
+    if database is not None:
+        backend_settings.pop("OPTIONS", None)
+    return (database_settings(database) if database else {}), backend_settings
+
+
+@pytest.mark.multiprocess
+def test_eight_processes_share_a_semaphore_of_three(
+    backend_alias: str, backend: BaseLockBackend, tmp_path: Path
+) -> None:
+    """The section counts the processes inside it: never more than the limit."""
+    if not backend.supports_multiprocess:
+        pytest.skip(f"{type(backend).__name__} keeps its locks in one process's memory")
+    if not backend.supports_semaphores:
+        pytest.skip(f"backend {backend_alias!r} declares no supports_semaphores")
+    databases, backend_settings = _worker_settings(backend_alias)
+    records = run_workers(
+        tmp_path, processes=8, sections=25, use_lock=True, databases=databases,
+        backend=backend_settings, hold=0.01, limit=3,
+    )  # fmt: skip
+    inside = [count for count, _ in records]
+    tokens = [token for _, token in records]
+    print(f"\n[{backend_alias}] 8 processes, limit 3: most inside at once = {max(inside)}")
+    assert max(inside) <= 3
+    assert max(inside) >= 2, "the semaphore never let two in: it acts as a mutex"
+    assert len(set(tokens)) == len(tokens) == 200
+
+
+@pytest.mark.multiprocess
+def test_the_semaphore_control_lets_more_than_three_in(tmp_path: Path) -> None:
+    """The same workload without the semaphore does exceed 3, so the test above can fail."""
+    records = run_workers(
+        tmp_path, processes=8, sections=10, use_lock=False, databases={},
+        backend={"BACKEND": "django_dlock.backends.locmem.LocMemBackend"}, hold=0.05, limit=3,
+    )  # fmt: skip
+    assert max(count for count, _ in records) > 3
+
+
+HOLDER = """
+import os, sys, time, django
+from django.conf import settings
+settings.configure(DATABASES=DATABASES, INSTALLED_APPS=["django_dlock"],
+                   DLOCK_BACKENDS={"default": BACKEND}, USE_TZ=True)
+django.setup()
+from django_dlock import semaphore
+held = semaphore(NAME, limit=1, ttl=TTL).acquire()
+print(held.token, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_killed_holder_frees_its_slot_within_the_ttl(
+    backend_alias: str, backend: BaseLockBackend, name: str, tmp_path: Path
+) -> None:
+    if not backend.supports_multiprocess:
+        pytest.skip(f"{type(backend).__name__} keeps its locks in one process's memory")
+    if not backend.supports_semaphores:
+        pytest.skip(f"backend {backend_alias!r} declares no supports_semaphores")
+    from django_dlock import LockTimeout, semaphore
+
+    databases, backend_settings = _worker_settings(backend_alias)
+    ttl = max(2.0, backend.min_ttl)
+    code = HOLDER.replace("DATABASES", repr(databases)).replace("BACKEND", repr(backend_settings))
+    code = code.replace("NAME", repr(name)).replace("TTL", repr(ttl))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    holder = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None
+        token = int(holder.stdout.readline())
+        with pytest.raises(LockTimeout):
+            semaphore(name, limit=1, backend=backend_alias, timeout=0).acquire()
+        holder.kill()
+        holder.wait(10)
+        killed = time.monotonic()
+        with semaphore(name, limit=1, backend=backend_alias, timeout=ttl * 3) as held:
+            waited = time.monotonic() - killed
+        print(f"\n[{backend_alias}] slot freed {waited:.2f}s after kill -9 (ttl {ttl}s)")
+        assert held.token > token
+        assert waited <= ttl + backend.expiry_slack + 1.0
+    finally:
+        holder.kill()
+        holder.wait(10)
