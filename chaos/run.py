@@ -10,6 +10,11 @@ history checker (``chaos/history.py``) then checks each phase.
     python -m chaos --seconds 600          # the full matrix, about 10 minutes
     python -m chaos --short                # CI: each fault and backend once
     python -m chaos --backends redis,etcd --faults pause,partition
+    python -m chaos --short --kind semaphore   # the workers hold a semaphore (limit 1)
+
+``--kind`` is what the workers hold: ``mutex`` (the default), ``semaphore``
+(limit 1) or ``rwlock`` (the write side); the last two skip the backends
+without semaphores (Redlock).
 
 Exit status 1 if any phase has a violation, 2 for bad arguments.
 """
@@ -339,6 +344,11 @@ class SQLiteTarget(Target):
             self._holder.join(30)
 
 
+#: What ``--kind`` makes the workers hold.
+KINDS = ("mutex", "semaphore", "rwlock")
+#: Targets whose backend has no semaphores.
+NO_SEMAPHORES = ("redlock",)
+
 TARGETS: dict[str, type[Target]] = {
     t.name: t
     for t in (RedisTarget, RedlockTarget, EtcdTarget, PostgresTarget, MariaDBTarget, SQLiteTarget)
@@ -437,7 +447,7 @@ def _load(path: Path) -> list[dict[str, Any]]:
 
 
 def run_target(
-    run: Run, target: Target, faults: list[str], phase_seconds: float
+    run: Run, target: Target, faults: list[str], phase_seconds: float, kind: str = "mutex"
 ) -> list[history.PhaseResult]:
     table = f"chaos_{target.name}"
     _pg_admin(
@@ -461,6 +471,7 @@ def run_target(
             "register": run.register_dsn(),
             "table": table,
             "name": "chaos",
+            "kind": kind,
             "ttl": TTL,
             "timeout": TIMEOUT,
             "hold": 0.2,
@@ -640,12 +651,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--backends", default=",".join(TARGETS))
     parser.add_argument("--faults", default=None, help="comma-separated (default: all)")
+    parser.add_argument("--kind", choices=KINDS, default="mutex", help="what the workers hold")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument(
         "--keep", type=Path, default=None, help="keep the histories and worker logs in this dir"
     )
     args = parser.parse_args(argv)
     targets = [t for t in args.backends.split(",") if t]
+    if args.kind != "mutex":
+        targets = [t for t in targets if t not in NO_SEMAPHORES]
     unknown = [t for t in targets if t not in TARGETS]
     faults = None if args.faults is None else [f for f in args.faults.split(",") if f]
     if unknown or (faults and any(f not in FAULTS for f in faults)):
@@ -675,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
             run = Run(net, Path(tmp))
             for name, fs in cells:
                 print(f"chaos: {name}: {', '.join(fs)}", file=sys.stderr, flush=True)
-                for result in run_target(run, TARGETS[name](), fs, phase_seconds):
+                for result in run_target(run, TARGETS[name](), fs, phase_seconds, args.kind):
                     rows.append((name, result))
         finally:
             if net is not None:
@@ -685,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - started
     print(table(rows))
     command = " ".join(["python -m chaos", *(argv if argv is not None else sys.argv[1:])])
+    print(f"The workers held: {args.kind}")
     print(f"\n{command}: {elapsed:.0f} s, TTL {TTL:g} s, {WORKERS} workers per backend, "
           f"liveness bound TTL + {SLACK:g} s after each heal")  # fmt: skip
     bad = [(b, r) for b, r in rows if r.violations]

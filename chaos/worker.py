@@ -90,6 +90,14 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_term)
     register = _Register(config["register"], config["table"], config["name"])
     backend = locks["default"]
+    kind = config.get("kind", "mutex")
+    if kind != "mutex":
+        # A semaphore of limit 1, or a read/write lock's write side: exclusive
+        # as the mutex is, so the same checker applies.
+        from django_dlock.backends.slots import RW_LIMIT, SlotView
+
+        backend = SlotView(backend, 1, 1) if kind == "semaphore" else (
+            SlotView(backend, RW_LIMIT, RW_LIMIT))  # fmt: skip
     name = config["name"]
     rng = random.Random()
     record(op="start", inv=time.monotonic(), pid=os.getpid())
