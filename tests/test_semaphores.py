@@ -272,3 +272,22 @@ def test_parked_tasks_leave_in_order(
     assert [(p.key, p.payload) for p in first] == [("a", '{"n": "a2"}')]
     assert [p.key for p in backend.do_unpark(name, 5)] == ["c"]
     assert backend.do_unpark(name, 5) == []
+
+
+def test_a_writer_that_gives_up_lets_readers_in_at_once(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    rw = rwlock(name, backend=backend_alias)
+    reader = rw.read().acquire()
+    with pytest.raises(LockTimeout):
+        rw.write().acquire(timeout=0.3)
+    (info,) = backend.semaphores(name)
+    assert info.waiting == 0  # its waiter record went with it
+    with rw.read().acquire_handle(timeout=0):
+        pass
+    reader.release()
+
+
+def test_semaphores_take_no_release_on_commit(backend_alias: str, name: str) -> None:
+    with pytest.raises(TypeError, match="release_on_commit"):
+        semaphore(name, limit=2, backend=backend_alias, release_on_commit=True)  # type: ignore[call-arg]
