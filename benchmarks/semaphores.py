@@ -212,9 +212,10 @@ def main() -> None:
             for kind in CONTENDED:
                 r = contended(pool, kind, procs, hold, window)
                 results["fairness"].append({"impl": kind, "procs": procs, **r})
+                turns = f"{r['fewest']} / {r['most']}"
                 rows.append([kind, f"{r['cycles_per_s']:,.0f}", f"{r['wait_p50_ms']:.2f}",
                              f"{r['wait_p99_ms']:.2f}", f"{r['wait_max_ms']:.1f}",
-                             f"{r['fewest']} / {r['most']}", f"{r['fair_share']:.0f}"])  # fmt: skip
+                             turns, f"{r['fair_share']:.0f}"])  # fmt: skip
             print(table(rows))
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
