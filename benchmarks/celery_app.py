@@ -68,3 +68,41 @@ def singleton(n: int) -> int:
 @app.task(base=QueueOnce, once={"graceful": True})
 def once(n: int) -> int:
     return n
+
+
+# --- benchmarks/celery_defer.py: at most 2 bodies per key at once -------------------------
+
+_INSIDE = """
+local n = redis.call('INCR', KEYS[1])
+if n > tonumber(redis.call('GET', KEYS[2]) or '0') then redis.call('SET', KEYS[2], n) end
+return n
+"""
+
+
+def _limited_body(key: str, hold: float) -> int:
+    """Count the bodies inside at once, on the benchmark's redis-server (db 5)."""
+    import time
+
+    import redis
+
+    conn = redis.Redis.from_url(f"{REDIS}/5")
+    inside = int(conn.eval(_INSIDE, 2, f"inside:{key}", f"most:{key}"))
+    try:
+        time.sleep(hold)
+    finally:
+        conn.decr(f"inside:{key}")
+    return inside
+
+
+@app.task(base=LockedTask, lock={"key": "defer:{key}", "ttl": 60, "limit": 2,
+                                 "on_locked": "defer"})  # fmt: skip
+def limited_defer(key: str, n: int, hold: float) -> int:
+    return _limited_body(key, hold)
+
+
+# How a limit is glued on without parking: retry every 50 ms until a slot is free.
+@app.task(base=LockedTask, bind=True, max_retries=None,
+          lock={"key": "retry:{key}", "ttl": 60, "limit": 2, "on_locked": "retry",
+                "countdown": 0.05})  # fmt: skip
+def limited_retry(self: object, key: str, n: int, hold: float) -> int:
+    return _limited_body(key, hold)
