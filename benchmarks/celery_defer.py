@@ -87,8 +87,9 @@ def main() -> None:
         rows = [["variant", "seconds", "most inside at once", "messages taken",
                  "extra per call"]]  # fmt: skip
         for variant, r in results["variants"].items():
+            extra = f"{r['extra_messages'] / args.calls:.2f}"
             rows.append([variant, f"{r['seconds']:.2f}", str(r["most_inside"]),
-                         str(r["messages"]), f"{r['extra_messages'] / args.calls:.2f}"])  # fmt: skip
+                         str(r["messages"]), extra])  # fmt: skip
         print(f"{args.calls} calls over one key, limit=2, bodies of {args.hold * 1000:g} ms, "
               "4 prefork processes\n")  # fmt: skip
         print(table(rows))
