@@ -102,6 +102,11 @@ def test_a_task_on_a_configured_base_keeps_the_base_lock_options() -> None:
         ({"backend": 3}, TypeError, "alias"),
         ({"lock": {"ttl": 5}, "ttl": 5}, TypeError, "twice"),
         ({"key": "x:{missing}"}, ValueError, "missing"),
+        ({"limit": 0}, ValueError, "limit"),
+        ({"limit": 2.5}, TypeError, "limit"),
+        ({"limit": 2, "scope": "queue"}, ValueError, "scope='run'"),
+        ({"on_locked": "defer", "scope": "queue"}, ValueError, "scope='run'"),
+        ({"on_locked": "defer", "timeout": 3}, ValueError, "timeout"),
     ],
 )
 def test_bad_options_fail_where_the_task_is_defined(
@@ -384,3 +389,16 @@ def test_a_queue_lease_taken_by_another_meanwhile_skips_the_run(log: str) -> Non
         result = tasks.dedup_queued.apply(("taken", log), headers={HEADER: ticket})
     assert result.result is None
     assert tasks.read_log(log) == []
+
+
+def test_an_eager_call_cannot_be_deferred(eager: None, log: str) -> None:
+    """defer parks a message for a worker: an eager call has none, so it raises."""
+
+    @locked_task(key="eager-defer:{key}", backend="celery", on_locked="defer")
+    def deferred(key: str) -> str:
+        return key
+
+    with locks["celery"].lock("eager-defer:k"):
+        with pytest.raises(LockTimeout, match="cannot be deferred"):
+            deferred.delay("k").get()
+    assert deferred.delay("k").get() == "k"
