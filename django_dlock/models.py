@@ -74,3 +74,54 @@ def __getattr__(name: str) -> Any:
         )
         return LockListing
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class Slot(models.Model):
+    """A holder or waiter of a semaphore or read/write lock (the database backend's).
+
+    A holder has a ``token``; a waiter has none and is recorded so that a
+    waiting writer holds back new readers, and so that listings count it.
+    Expired rows are deleted by the next acquisition of the name. The
+    name's fencing counter is a :class:`Lease` row of its own (its digest
+    is taken over ``"slots"``, the prefix and the name).
+    """
+
+    digest = models.CharField(max_length=64, db_index=True, help_text="As Lease.digest.")
+    namespace = models.CharField(max_length=255, default="", help_text="The backend's KEY_PREFIX.")
+    name = models.TextField()
+    owner = models.CharField(max_length=64)
+    slot_limit = models.BigIntegerField(help_text="The semaphore's limit.")
+    weight = models.BigIntegerField(help_text="1, or the whole limit for a writer.")
+    token = models.BigIntegerField(null=True, help_text="NULL for a waiter.")
+    acquired_at_us = models.BigIntegerField(null=True)
+    expires_at_us = models.BigIntegerField(db_index=True)
+    holder = models.TextField(default="", help_text="Holder metadata as JSON.")
+
+    class Meta:
+        verbose_name = "semaphore slot"
+        constraints = [
+            models.UniqueConstraint(fields=["digest", "owner"], name="django_dlock_slot_owner")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.owner})"
+
+
+class ParkedCall(models.Model):
+    """A Celery call parked on a full semaphore by ``on_locked="defer"``."""
+
+    digest = models.CharField(max_length=64, db_index=True, help_text="As Lease.digest.")
+    namespace = models.CharField(max_length=255, default="", help_text="The backend's KEY_PREFIX.")
+    name = models.TextField()
+    call_id = models.CharField(max_length=255, help_text="The task id.")
+    place = models.BigIntegerField(help_text="Its place in line (smaller first).")
+    payload = models.TextField(help_text="What sends it again, as JSON.")
+
+    class Meta:
+        verbose_name = "parked call"
+        constraints = [
+            models.UniqueConstraint(fields=["digest", "call_id"], name="django_dlock_parked_call")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.call_id})"

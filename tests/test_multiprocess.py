@@ -172,11 +172,11 @@ def test_the_semaphore_control_lets_more_than_three_in(tmp_path: Path) -> None:
 HOLDER = """
 import os, sys, time, django
 from django.conf import settings
-settings.configure(DATABASES=DATABASES, INSTALLED_APPS=["django_dlock"],
-                   DLOCK_BACKENDS={"default": BACKEND}, USE_TZ=True)
+settings.configure(DATABASES=@DATABASES@, INSTALLED_APPS=["django_dlock"],
+                   DLOCK_BACKENDS={"default": @BACKEND@}, USE_TZ=True)
 django.setup()
 from django_dlock import semaphore
-held = semaphore(NAME, limit=1, ttl=TTL).acquire()
+held = semaphore(@NAME@, limit=1, ttl=@TTL@).acquire()
 print(held.token, flush=True)
 time.sleep(600)
 """
@@ -194,8 +194,9 @@ def test_a_killed_holder_frees_its_slot_within_the_ttl(
 
     databases, backend_settings = _worker_settings(backend_alias)
     ttl = max(2.0, backend.min_ttl)
-    code = HOLDER.replace("DATABASES", repr(databases)).replace("BACKEND", repr(backend_settings))
-    code = code.replace("NAME", repr(name)).replace("TTL", repr(ttl))
+    code = HOLDER.replace("@DATABASES@", repr(databases))
+    code = code.replace("@BACKEND@", repr(backend_settings))
+    code = code.replace("@NAME@", repr(name)).replace("@TTL@", repr(ttl))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("DJANGO_SETTINGS_MODULE", None)
     holder = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)

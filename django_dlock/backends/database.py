@@ -58,36 +58,12 @@ from django.db.utils import DatabaseError, IntegrityError, InterfaceError, Opera
 from .._validation import load_holder, micros_to_datetime
 from ..exceptions import BackendUnavailable, LockConfigurationError, LockInTransaction
 from .base import BaseLockBackend, LockInfo
+from .database_slots import DatabaseSlots
+from .sql import BINARY, SERVER_CLOCK, Busy, add_clock, micros
 
 T = TypeVar("T")
 
 SUPPORTED_VENDORS = ("sqlite", "postgresql", "mysql")
-
-# The server's clock as integer microseconds since the epoch. Each expression
-# has one value for the whole statement, so a statement compares and stores
-# the same instant everywhere it appears.
-_NOW = {
-    # statement_timestamp(): start of the statement, stable within it.
-    "postgresql": "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000000)::bigint",
-    # UTC_TIMESTAMP(6): start of the statement, stable within it, and in UTC
-    # whatever the session's time_zone. (UNIX_TIMESTAMP(NOW(6)) went through
-    # the session time zone: in a zone with daylight saving, local times in
-    # the repeated hour map to the wrong instant, and the clock jumped an hour.)
-    "mysql": "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))",
-    # 'now' is stable within one sqlite3_step(); '%f' is "SS.SSS" (milliseconds).
-    # '%%' because Django's SQLite cursor turns '%s' into a placeholder.
-    "sqlite": (
-        "(CAST(strftime('%%s', 'now') AS INTEGER) * 1000000"
-        " + CAST(substr(strftime('%%f', 'now'), 4, 3) AS INTEGER) * 1000)"
-    ),
-}
-
-# MySQL's default collations ignore case; lock names must not.
-_BINARY = {
-    "mysql": "CAST({} AS BINARY)",
-    "postgresql": "{}",
-    "sqlite": "{}",
-}
 
 # The server's version, for `manage.py locks check`.
 _VERSION = {
@@ -152,8 +128,8 @@ class _Statements:
 
 
 def _statements(vendor: str, table: str) -> _Statements:
-    now = _NOW[vendor]
-    binary = _BINARY[vendor]
+    now = SERVER_CLOCK[vendor]
+    binary = BINARY[vendor]
     break_ = (
         f"UPDATE {table} SET owner = NULL, acquired_at_us = NULL, expires_at_us = NULL,"
         f" holder = '' WHERE digest = %s AND expires_at_us > {now}"
@@ -266,11 +242,7 @@ def _statements(vendor: str, table: str) -> _Statements:
     )
 
 
-def _micros(seconds: float) -> int:
-    return max(1, round(seconds * 1_000_000))
-
-
-class DatabaseBackend(BaseLockBackend):
+class DatabaseBackend(DatabaseSlots, BaseLockBackend):
     """Leases in the ``django_dlock_lease`` table of a Django database.
 
     ``OPTIONS``: ``database``, the alias in ``DATABASES`` (default "default").
@@ -387,19 +359,20 @@ class DatabaseBackend(BaseLockBackend):
         name: str,
         fn: Callable[[BaseDatabaseWrapper, _Statements, Any], T],
         owner: str | None = None,
+        connection: BaseDatabaseWrapper | None = None,
     ) -> T:
-        connection = self._connection(owner)
+        connection = connection or self._connection(owner)
         statements = self._sql(connection)
         try:
             if connection.vendor == "sqlite":
-                _add_clock(connection)  # opens the file: inside, so its errors are ours
+                add_clock(connection)  # opens the file: inside, so its errors are ours
             with connection.cursor() as cursor:
                 return fn(connection, statements, cursor)
         except (OperationalError, InterfaceError) as e:
             if connection.vendor == "sqlite" and "locked" in str(e):
-                raise _Busy from e
+                raise Busy from e
             if connection.vendor == "mysql" and e.args and e.args[0] in _MYSQL_RETRYABLE:
-                raise _Busy from e
+                raise Busy from e
             self._discard(connection)
             raise self._unavailable(connection, name, e) from e
         except DatabaseError as e:
@@ -437,6 +410,7 @@ class DatabaseBackend(BaseLockBackend):
         name: str,
         fn: Callable[[BaseDatabaseWrapper, _Statements, Any], T],
         owner: str | None = None,
+        connection: BaseDatabaseWrapper | None = None,
     ) -> T:
         # Release, extend and break must not be dropped because another writer
         # held SQLite's lock past its busy timeout, or MySQL picked us as a
@@ -444,8 +418,8 @@ class DatabaseBackend(BaseLockBackend):
         attempt = 0
         while True:
             try:
-                return self._run(name, fn, owner)
-            except _Busy as e:
+                return self._run(name, fn, owner, connection)
+            except Busy as e:
                 if attempt == BUSY_RETRIES:
                     raise BackendUnavailable(
                         f"Database {self.database!r} stayed busy for lock {name!r}.",
@@ -462,7 +436,7 @@ class DatabaseBackend(BaseLockBackend):
     def do_acquire(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
     ) -> int | None:
-        digest, ttl_us = self._key(name), _micros(ttl)
+        digest, ttl_us = self._key(name), micros(ttl)
 
         def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> int | None:
             if sql.acquire_insert is None:
@@ -493,7 +467,7 @@ class DatabaseBackend(BaseLockBackend):
 
         try:
             return self._run(name, run)
-        except _Busy as e:
+        except Busy as e:
             connection = self._connection()
             if connection.vendor == "sqlite" and connection.in_atomic_block:
                 raise self._in_transaction(
@@ -528,11 +502,11 @@ class DatabaseBackend(BaseLockBackend):
             self._unbind(owner)
 
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
-        return self._rowcount(name, "extend", [_micros(ttl), self._key(name), owner], owner)
+        return self._rowcount(name, "extend", [micros(ttl), self._key(name), owner], owner)
 
     def do_adopt(self, name: str, owner: str, new_owner: str, ttl: float, state: Any) -> bool:
         return self._rowcount(
-            name, "adopt", [new_owner, _micros(ttl), self._key(name), owner], owner
+            name, "adopt", [new_owner, micros(ttl), self._key(name), owner], owner
         )
 
     def do_break(self, name: str, token: int | None) -> bool:
@@ -581,26 +555,3 @@ class DatabaseBackend(BaseLockBackend):
             expires_at=micros_to_datetime(int(expires_us)),
             expires_in=(int(expires_us) - int(now_us)) / 1_000_000,
         )
-
-
-def _wall_us() -> int:
-    return time.time_ns() // 1000
-
-
-def _add_clock(connection: BaseDatabaseWrapper) -> None:
-    """Give an SQLite connection ``dlock_now_us()``: the wall clock in microseconds.
-
-    SQLite's own ``'now'`` steps in milliseconds; tokens need finer steps
-    (several acquisitions fit in one). It is the same clock, the machine's,
-    which every process using the file shares.
-    """
-    if connection.connection is None:
-        connection.ensure_connection()
-    raw = connection.connection
-    if getattr(connection, "_dlock_clock", None) is not raw:
-        raw.create_function("dlock_now_us", 0, _wall_us)
-        connection._dlock_clock = raw  # type: ignore[attr-defined]
-
-
-class _Busy(Exception):
-    """The database refused the statement for contention; the attempt may be repeated."""

@@ -87,25 +87,19 @@ class SlotView:
 
     # --- what the acquire loop and HeldLock call --------------------------------------
 
+    # The base class's loop, run on this view (BaseLockBackend is not imported:
+    # base.py imports this module).
     def acquire(self, name: str, **kwargs: Any) -> Any:
-        from .base import BaseLockBackend
-
-        return BaseLockBackend.acquire(self, name, **kwargs)  # type: ignore[arg-type]
+        return type(self.base).acquire(self, name, **kwargs)  # type: ignore[arg-type]
 
     async def aacquire(self, name: str, **kwargs: Any) -> Any:
-        from .base import BaseLockBackend
-
-        return await BaseLockBackend.aacquire(self, name, **kwargs)  # type: ignore[arg-type]
+        return await type(self.base).aacquire(self, name, **kwargs)  # type: ignore[arg-type]
 
     def _acquire(self, *args: Any) -> Any:
-        from .base import BaseLockBackend
-
-        return BaseLockBackend._acquire(self, *args)  # type: ignore[arg-type]
+        return type(self.base)._acquire(self, *args)  # type: ignore[arg-type]
 
     def _aacquire(self, *args: Any) -> Any:
-        from .base import BaseLockBackend
-
-        return BaseLockBackend._aacquire(self, *args)  # type: ignore[arg-type]
+        return type(self.base)._aacquire(self, *args)  # type: ignore[arg-type]
 
     def attempt(
         self, name: str, owner: str, ttl: float, holder: tuple[dict[str, Any], str], renew: bool

@@ -1,0 +1,293 @@
+"""The database backend's semaphores, read/write locks and parked Celery calls.
+
+Tables (migration 0004): ``django_dlock_slot``, one row per holder (with a
+token) or waiter (without) of a semaphore, and ``django_dlock_parkedcall``.
+A semaphore's fencing counter is a ``django_dlock_lease`` row of its own,
+whose digest is taken over ``"slots"``, the prefix and the name: it is never
+a live mutex lease, so the mutex listing never shows it, and like a mutex's
+it is seeded from the server clock in microseconds and kept for ever.
+
+An acquisition is one short transaction on the backend's connection (a
+private one inside the caller's ``atomic()``, on SQLite too, so that the
+caller's rollback never undoes a grant nor repeats a token):
+
+1. lock the counter row (created if missing): ``SELECT ... FOR UPDATE`` on
+   PostgreSQL and MySQL, ``BEGIN IMMEDIATE`` (the write lock) on SQLite, so
+   that acquisitions of one name run one at a time;
+2. delete the name's rows whose leases ended by the server's clock;
+3. read the rest, and grant or record a waiter as ``base.py`` says.
+
+Waiting backs off (2 ms doubling to 100 ms); waiters are not FIFO.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from .._validation import load_holder, micros_to_datetime
+from ..exceptions import LockInTransaction
+from .base import BaseLockBackend, LockInfo, ParkedTask, SlotEntry
+from .sql import BINARY, SERVER_CLOCK, micros
+
+T = TypeVar("T")
+
+_BEGIN = {"sqlite": "BEGIN IMMEDIATE", "mysql": "START TRANSACTION", "postgresql": "BEGIN"}
+_LOCK_ROW = {"sqlite": "", "mysql": " FOR UPDATE", "postgresql": " FOR UPDATE"}
+_INSERT_IGNORE = {
+    "sqlite": ("INSERT OR IGNORE INTO", ""),
+    "mysql": ("INSERT IGNORE INTO", ""),
+    "postgresql": ("INSERT INTO", " ON CONFLICT (digest) DO NOTHING"),
+}
+
+
+class _SQL:
+    """The statements of one vendor, with the tables' quoted names."""
+
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        from ..models import Lease, ParkedCall, Slot
+
+        vendor = connection.vendor
+        q = connection.ops.quote_name
+        lease, slot, parked = (q(m._meta.db_table) for m in (Lease, Slot, ParkedCall))
+        now, binary = SERVER_CLOCK[vendor], BINARY[vendor]
+        self.vendor = vendor
+        self.begin = _BEGIN[vendor]
+        insert, conflict = _INSERT_IGNORE[vendor]
+        # params: digest, namespace, name. The counter is seeded from the clock.
+        self.counter_row = (
+            f"{insert} {lease} (digest, namespace, name, fence, holder)"
+            f" VALUES (%s, %s, %s, {now}, ''){conflict}"
+        )
+        # params: digest; returns: the counter (the row locked until commit).
+        self.lock_counter = f"SELECT fence FROM {lease} WHERE digest = %s{_LOCK_ROW[vendor]}"
+        self.set_counter = f"UPDATE {lease} SET fence = %s WHERE digest = %s"
+        self.drop_ended = f"DELETE FROM {slot} WHERE digest = %s AND expires_at_us <= {now}"
+        self.rows = f"SELECT owner, slot_limit, weight, token FROM {slot} WHERE digest = %s"
+        self.forget = f"DELETE FROM {slot} WHERE digest = %s AND owner = %s"
+        # params: digest, namespace, name, owner, limit, weight, token, ttl (us), holder
+        self.insert = (
+            f"INSERT INTO {slot} (digest, namespace, name, owner, slot_limit, weight, token,"
+            f" acquired_at_us, expires_at_us, holder)"
+            f" VALUES (%s, %s, %s, %s, %s, %s, %s, {now}, {now} + %s, %s)"
+        )
+        live = f"digest = %s AND owner = %s AND token IS NOT NULL AND expires_at_us > {now}"
+        self.leave = f"DELETE FROM {slot} WHERE digest = %s AND owner = %s AND token IS NULL"
+        self.release = f"DELETE FROM {slot} WHERE {live}"
+        self.extend = f"UPDATE {slot} SET expires_at_us = {now} + %s WHERE {live}"
+        self.check = f"SELECT 1 FROM {slot} WHERE {live}"
+        held = f"digest = %s AND token IS NOT NULL AND expires_at_us > {now}"
+        self.break_all = f"DELETE FROM {slot} WHERE {held}"
+        self.break_token = f"DELETE FROM {slot} WHERE {held} AND token = %s"
+        in_prefix = (
+            f"{binary.format('namespace')} = {binary.format('%s')}"
+            f" AND {binary.format('substr(name, 1, %s)')} = {binary.format('%s')}"
+        )
+        # params: namespace, len(prefix), prefix
+        self.list = (
+            f"SELECT name, slot_limit, weight, token, holder, acquired_at_us, expires_at_us,"
+            f" {now} FROM {slot} WHERE expires_at_us > {now} AND {in_prefix}"
+        )
+        self.unpark_one = f"DELETE FROM {parked} WHERE digest = %s AND call_id = %s"
+        # params: digest, namespace, name, call id, place, payload
+        self.park = (
+            f"INSERT INTO {parked} (digest, namespace, name, call_id, place, payload)"
+            " VALUES (%s, %s, %s, %s, %s, %s)"
+        )
+        self.first_parked = (
+            f"SELECT id, name, call_id, place, payload FROM {parked} WHERE digest = %s"
+            f" ORDER BY place, call_id LIMIT %s{_LOCK_ROW[vendor]}"
+        )
+        self.unpark_ids = f"DELETE FROM {parked} WHERE id IN ({{}})"
+        self.list_parked = f"SELECT name, call_id, place, payload FROM {parked} WHERE {in_prefix}"
+
+
+class DatabaseSlots(BaseLockBackend):
+    """The ``*_slot`` and parking primitives of :class:`~.database.DatabaseBackend`."""
+
+    supports_semaphores = True
+    supports_fair_semaphores = False
+
+    if TYPE_CHECKING:
+        database: str
+        _local: threading.local
+
+        def _key(self, name: str) -> str: ...
+        def _connection(self, owner: str | None = None) -> BaseDatabaseWrapper: ...
+        def _retry_busy(
+            self,
+            name: str,
+            fn: Callable[[BaseDatabaseWrapper, Any, Any], T],
+            owner: str | None = None,
+            connection: BaseDatabaseWrapper | None = None,
+        ) -> T: ...
+
+    def _slot_sql(self, connection: BaseDatabaseWrapper) -> _SQL:
+        cache: dict[str, _SQL] = self.__dict__.setdefault("_slot_sql_cache", {})
+        sql = cache.get(connection.vendor)
+        if sql is None:
+            sql = cache[connection.vendor] = _SQL(connection)
+        return sql
+
+    def _slot_connection(self) -> BaseDatabaseWrapper:
+        """As the mutex's, but a private one inside ``atomic()`` on SQLite too."""
+        connection = connections[self.database]
+        if connection.vendor != "sqlite" or not connection.in_atomic_block:
+            return self._connection()
+        private = getattr(self._local, "connection", None)
+        if private is None:
+            private = self._local.connection = connections.create_connection(self.database)
+        return private
+
+    def _counter_key(self, name: str) -> str:
+        return hashlib.sha256(f"slots\0{self.key_prefix}\0{name}".encode()).hexdigest()
+
+    def _slot_call(self, name: str, fn: Callable[[_SQL, Any], T], transaction: bool = False) -> T:
+        """``fn(sql, cursor)`` on the slot connection, in a transaction of its own if asked."""
+        connection = self._slot_connection()
+
+        def run(conn: BaseDatabaseWrapper, statements: Any, cursor: Any) -> T:
+            sql = self._slot_sql(conn)
+            if not transaction:
+                return fn(sql, cursor)
+            cursor.execute(sql.begin)
+            try:
+                result = fn(sql, cursor)
+            except BaseException:
+                cursor.execute("ROLLBACK")
+                raise
+            cursor.execute("COMMIT")
+            return result
+
+        try:
+            return self._retry_busy(name, run, connection=connection)
+        except Exception as e:
+            private = connection is not connections[self.database]
+            if private and connection.vendor == "sqlite" and "stayed busy" in str(e):
+                raise LockInTransaction(
+                    f"Semaphore {name!r} on backend {self.alias!r} cannot be written: "
+                    "this transaction (or another) holds SQLite's write lock. Take it "
+                    "before entering transaction.atomic().",
+                    name=name,
+                    backend=self.alias,
+                ) from e
+            raise
+
+    def do_acquire_slot(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool, limit: int, weight: int
+    ) -> int | None:
+        digest, counter = self._key(name), self._counter_key(name)
+
+        def run(sql: _SQL, cursor: Any) -> int | None:
+            cursor.execute(sql.counter_row, [counter, self.key_prefix, name])
+            cursor.execute(sql.lock_counter, [counter])
+            fence = int(cursor.fetchone()[0])
+            cursor.execute(sql.drop_ended, [digest])
+            cursor.execute(sql.rows, [digest])
+            rows = [(o, int(lim), int(w), t) for o, lim, w, t in cursor.fetchall() if o != owner]
+            other = next((lim for _, lim, _, _ in rows if lim != limit), None)
+            if other is not None:
+                raise self.limit_mismatch(name, limit, other)
+            used = sum(w for _, _, w, t in rows if t is not None)
+            writer_waits = weight < limit and any(t is None and w == limit for _, _, w, t in rows)
+            cursor.execute(sql.forget, [digest, owner])
+            values = [digest, self.key_prefix, name, owner, limit, weight]
+            if used + weight > limit or writer_waits:
+                cursor.execute(sql.insert, [*values, None, micros(ttl), ""])
+                return None
+            token = fence + 1
+            cursor.execute(sql.set_counter, [token, counter])
+            cursor.execute(sql.insert, [*values, token, micros(ttl), holder])
+            return token
+
+        return self._slot_call(name, run, transaction=True)
+
+    def _slot_rowcount(self, name: str, statement: str, params: list[Any]) -> int:
+        def run(sql: _SQL, cursor: Any) -> int:
+            cursor.execute(getattr(sql, statement), params)
+            return int(cursor.rowcount)
+
+        return self._slot_call(name, run)
+
+    def do_leave_slot(self, name: str, owner: str) -> None:
+        self._slot_rowcount(name, "leave", [self._key(name), owner])
+
+    def do_release_slot(self, name: str, owner: str) -> bool:
+        return self._slot_rowcount(name, "release", [self._key(name), owner]) == 1
+
+    def do_extend_slot(self, name: str, owner: str, ttl: float) -> bool:
+        return self._slot_rowcount(name, "extend", [micros(ttl), self._key(name), owner]) == 1
+
+    def do_check_slot(self, name: str, owner: str) -> bool:
+        def run(sql: _SQL, cursor: Any) -> bool:
+            cursor.execute(sql.check, [self._key(name), owner])
+            return cursor.fetchone() is not None
+
+        return self._slot_call(name, run)
+
+    def do_break_slot(self, name: str, token: int | None) -> int:
+        if token is None:
+            return self._slot_rowcount(name, "break_all", [self._key(name)])
+        return self._slot_rowcount(name, "break_token", [self._key(name), token])
+
+    def do_list_slots(self, prefix: str) -> list[SlotEntry]:
+        def run(sql: _SQL, cursor: Any) -> list[Any]:
+            cursor.execute(sql.list, [self.key_prefix, len(prefix), prefix])
+            return list(cursor.fetchall())
+
+        entries = []
+        for name, limit, weight, token, holder, acquired, expires, now in self._slot_call(
+            prefix, run
+        ):
+            info = None
+            if token is not None:
+                info = LockInfo(
+                    backend=self.alias,
+                    name=name,
+                    token=int(token),
+                    holder=load_holder(holder),
+                    acquired_at=micros_to_datetime(int(acquired)),
+                    expires_at=micros_to_datetime(int(expires)),
+                    expires_in=(int(expires) - int(now)) / 1_000_000,
+                )
+            entries.append(SlotEntry(name, int(limit), int(weight), info))
+        return entries
+
+    # --- parked Celery calls ----------------------------------------------------------
+
+    def do_park(self, name: str, key: str, order: int, payload: str) -> None:
+        digest = self._key(name)
+
+        def run(sql: _SQL, cursor: Any) -> None:
+            cursor.execute(sql.unpark_one, [digest, key])
+            cursor.execute(sql.park, [digest, self.key_prefix, name, key, order, payload])
+
+        self._slot_call(name, run, transaction=True)
+
+    def do_unpark(self, name: str, count: int) -> list[ParkedTask]:
+        digest = self._key(name)
+
+        def run(sql: _SQL, cursor: Any) -> list[ParkedTask]:
+            cursor.execute(sql.first_parked, [digest, count])
+            rows = list(cursor.fetchall())
+            if rows:
+                ids = [row[0] for row in rows]
+                cursor.execute(sql.unpark_ids.format(", ".join(["%s"] * len(ids))), ids)
+            return [ParkedTask(n, k, int(o), p) for _, n, k, o, p in rows]
+
+        return self._slot_call(name, run, transaction=True)
+
+    def do_unpark_key(self, name: str, key: str) -> bool:
+        return self._slot_rowcount(name, "unpark_one", [self._key(name), key]) == 1
+
+    def do_list_parked(self, prefix: str) -> list[ParkedTask]:
+        def run(sql: _SQL, cursor: Any) -> list[Any]:
+            cursor.execute(sql.list_parked, [self.key_prefix, len(prefix), prefix])
+            return list(cursor.fetchall())
+
+        return [ParkedTask(n, k, int(o), p) for n, k, o, p in self._slot_call(prefix, run)]
