@@ -32,6 +32,7 @@ from .aio import AsyncNode
 from .connections import Node, as_bytes, redacted, server_version, text, transient
 from .listing import get_lease, list_node
 from .scripts import ABANDON, ACQUIRE, EXTEND, RELEASE, WAITER_LEASE_MS
+from .slots import RedisSlots
 
 #: Longest single blocking wait; waiters re-check at least this often.
 WAIT_CAP = 1.0
@@ -97,7 +98,7 @@ def ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-class RedisBackend(BaseLockBackend):
+class RedisBackend(RedisSlots, BaseLockBackend):
     """Leases in Redis; see the package docstring for the key layout and scripts."""
 
     supports_wakeups = True
@@ -290,8 +291,12 @@ class RedisBackend(BaseLockBackend):
 
     # --- keys -------------------------------------------------------------------------
 
+    def _tag(self, name: str) -> str:
+        """The hash tag of ``name``'s keys: one Cluster slot for all of them."""
+        return self._tags[zlib.crc32(name.encode()) % self.shards if self.shards > 1 else 0]
+
     def _make_keys(self, name: str) -> Keys:
-        tag = self._tags[zlib.crc32(name.encode()) % self.shards if self.shards > 1 else 0]
+        tag = self._tag(name)
         return Keys(
             lock=f"{tag}:lock:{name}",
             fence=f"{tag}:fence",

@@ -135,6 +135,9 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
     # Each master would queue and hand over on its own, and a hand-over by one
     # master is not a majority's grant: Redlock waiters never queue.
     queues_waiters = False
+    #: Semaphores on independent masters would need a quorum of slots per
+    #: holder; not offered: use one server, a Cluster or etcd for them.
+    supports_semaphores = False
     # A master that is down must cost one refused connection, not retries.
     retries = 0
     node_class = Master
