@@ -400,5 +400,5 @@ def test_an_eager_call_cannot_be_deferred(eager: None, log: str) -> None:
 
     with locks["celery"].lock("eager-defer:k"):
         with pytest.raises(LockTimeout, match="cannot be deferred"):
-            deferred.delay("k").get()
-    assert deferred.delay("k").get() == "k"
+            deferred.delay("k").get(disable_sync_subtasks=False)
+    assert deferred.delay("k").get(disable_sync_subtasks=False) == "k"

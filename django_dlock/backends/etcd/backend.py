@@ -27,6 +27,7 @@ from ..._validation import load_holder
 from ...exceptions import BackendUnavailable, LockNotOwned
 from ..base import Attempt, BaseLockBackend, Grant, LockInfo
 from .sessions import Entry, Lease, Sessions, lease_seconds
+from .slots import EtcdSlots
 from .transport import (
     CREATE_ASC,
     CREATE_DESC,
@@ -96,7 +97,7 @@ class EtcdAttempt(Attempt):
         self.backend._leave_queue(self.name, self.owner)
 
 
-class EtcdBackend(BaseLockBackend):
+class EtcdBackend(EtcdSlots, BaseLockBackend):
     """Locks in etcd v3; see the package docstring for the algorithm and key layout."""
 
     attempt_class = EtcdAttempt

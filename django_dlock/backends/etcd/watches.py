@@ -52,11 +52,13 @@ class Watches:
         self._held: deque[tuple[Wake, Any]] = deque()
         self._active: dict[int, Wake] = {}
 
-    def watch(self, key: bytes, start_revision: int) -> Wake:
+    def watch(self, key: bytes, start_revision: int, end: bytes = b"") -> Wake:
+        """Wake when ``key`` (or any key up to ``end``) is deleted after ``start_revision``."""
         wake = Wake()
         request = rpc.WatchRequest(
             create_request=rpc.WatchCreateRequest(
                 key=key,
+                range_end=end,
                 start_revision=start_revision,
                 filters=[rpc.WatchCreateRequest.NOPUT],
             )
