@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from .backends.base import LockInfo
+from .backends.base import LockInfo, SemaphoreInfo
 from .exceptions import DLockError
 from .handler import locks
 
@@ -158,3 +158,92 @@ def columns(info: LockInfo, now: datetime) -> tuple[str, ...]:
         duration(held_for(info, now)),
         duration(info.expires_in),
     )
+
+
+# --- semaphores and read/write locks ------------------------------------------------
+
+
+@dataclass
+class SemaphoreListing:
+    """Semaphores and read/write locks on the backends asked, and those that did not answer."""
+
+    semaphores: list[SemaphoreInfo] = field(default_factory=list)
+    errors: dict[str, DLockError] = field(default_factory=dict)
+    taken_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+
+
+def current_semaphores(backend: str | None = None, prefix: str = "") -> SemaphoreListing:
+    """Semaphores under ``prefix`` on each backend that has them, by alias, then name."""
+    listing = SemaphoreListing()
+    for alias in aliases(backend):
+        lock_backend = locks[alias]
+        if not lock_backend.supports_semaphores:
+            continue
+        try:
+            listing.semaphores.extend(lock_backend.semaphores(prefix))
+        except DLockError as e:
+            listing.errors[alias] = e
+    return listing
+
+
+def find_semaphores(name: str, backend: str | None = None) -> SemaphoreListing:
+    """The semaphore (or read/write lock) called exactly ``name`` on each backend."""
+    listing = current_semaphores(backend, name)
+    listing.semaphores = [info for info in listing.semaphores if info.name == name]
+    return listing
+
+
+def break_slot(info: SemaphoreInfo, token: int) -> bool:
+    """Free the slot of ``info`` with fencing token ``token``, if it is still held."""
+    return locks[info.backend].break_slot(info.name, token=token) == 1
+
+
+#: The columns of the semaphore table of ``manage.py locks`` and of the admin.
+SEMAPHORE_COLUMNS = (
+    "BACKEND", "NAME", "KIND", "LIMIT", "MODE", "TOKEN", "HOLDER", "HELD FOR", "EXPIRES IN",
+    "WAITING", "PARKED",
+)  # fmt: skip
+
+
+def semaphore_rows(info: SemaphoreInfo, now: datetime) -> list[tuple[str, ...]]:
+    """One row per holder (by token); one row of dashes for a name with none."""
+    limit = "-" if not info.limit else ("-" if info.kind == "rwlock" else str(info.limit))
+    waiting, parked = str(info.waiting), str(info.parked)
+    if not info.holders:
+        return [(info.backend, info.name, info.kind, limit, "-", "-", "-", "-", "-",
+                 waiting, parked)]  # fmt: skip
+    return [
+        (
+            info.backend,
+            info.name,
+            info.kind,
+            limit,
+            mode,
+            str(h.token),
+            holder_label(h.holder),
+            duration(held_for(h, now)),
+            duration(h.expires_in),
+            waiting,
+            parked,
+        )
+        for h, mode in zip(info.holders, info.modes, strict=True)
+    ]
+
+
+def semaphore_json(info: SemaphoreInfo, now: datetime) -> list[str]:
+    """Its holders as ``as_json`` objects with ``kind``, ``limit``, ``mode``, ``waiting``
+    and ``parked`` added; a name with no holder (only waiters or parked calls) as one
+    object whose ``token`` and ``holder`` are null."""
+    extra = {
+        "kind": info.kind,
+        "limit": None if info.kind == "rwlock" else info.limit or None,
+        "waiting": info.waiting,
+        "parked": info.parked,
+    }
+    if not info.holders:
+        return [json.dumps({"backend": info.backend, "name": info.name, "token": None,
+                            "holder": None, **extra, "mode": None})]  # fmt: skip
+    return [
+        as_json(h, now)[:-1] + "," + json.dumps({**extra, "mode": mode})[1:]
+        for h, mode in zip(info.holders, info.modes, strict=True)
+    ]

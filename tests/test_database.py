@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 
@@ -14,7 +15,7 @@ import pytest
 from django.conf import settings
 from django.db import connections, transaction
 
-from django_dlock import LockInTransaction, LockTimeout, lock, locks
+from django_dlock import LockInTransaction, LockTimeout, lock, locks, semaphore
 from tests.models import Counter
 
 ZONE = "America/New_York"
@@ -303,3 +304,138 @@ def test_release_on_commit_in_a_test_case_releases_at_once(name: str) -> None:
             return held.token
 
     assert work() < work()  # the second call finds the lock free
+
+
+# --- semaphores ------------------------------------------------------------------------
+
+
+@pytest.mark.backends("db-sqlite", "db-postgresql", "db-mysql")
+def test_racing_acquirers_never_exceed_a_semaphores_limit(backend_alias: str, name: str) -> None:
+    """Six threads try a semaphore of 2 at once, 40 times each, on their own connections.
+
+    Counting the holders and inserting one must be one step per name: t0 A
+    counts 1 holder, t1 B counts 1 holder, t2 A inserts, t3 B inserts, and
+    three hold a semaphore of two. The acquisition locks the name's fence row
+    first, so B counts after A's insert is committed.
+    """
+    inside, most, tokens = 0, 0, []
+    mutex = threading.Lock()
+    errors: list[BaseException] = []
+    start = threading.Barrier(6)
+
+    def work() -> None:
+        nonlocal inside, most
+        try:
+            start.wait()
+            for _ in range(40):
+                try:
+                    held = semaphore(name, limit=2, backend=backend_alias, timeout=0).acquire()
+                except LockTimeout:
+                    continue
+                with mutex:
+                    inside += 1
+                    most = max(most, inside)
+                    tokens.append(held.token)
+                time.sleep(0.001)
+                with mutex:
+                    inside -= 1
+                held.release()
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    print(f"\n[{backend_alias}] {len(tokens)} grants, most inside at once = {most}")
+    assert most <= 2
+    assert len(set(tokens)) == len(tokens) > 0
+    assert locks[backend_alias].semaphores(name) == []
+
+
+@pytest.mark.backends("db-postgresql", "db-mysql")
+@pytest.mark.with_default_db
+def test_a_rollback_around_a_slot_acquisition_changes_no_token(
+    backend_alias: str, name: str
+) -> None:
+    """Guarantee 10: the slot is taken on the backend's own connection, not in the transaction.
+
+    The rollback of the caller's work leaves the slot held (and its fence
+    counter advanced): the next acquisition gets a larger token.
+    """
+    db = settings.CONFORMANCE_BACKENDS[backend_alias]
+    backend = locks[backend_alias]
+
+    class Rollback(Exception):
+        pass
+
+    with contextlib.suppress(Rollback), transaction.atomic(using=db):
+        Counter.objects.using(db).create(value=1)
+        held = semaphore(name, limit=2, backend=backend_alias, timeout=0).acquire()
+        raise Rollback
+    assert not Counter.objects.using(db).exists()
+    held.ensure()  # the rollback did not undo the acquisition
+    assert [h.token for h in backend.semaphores(name)[0].holders] == [held.token]
+    with semaphore(name, limit=2, backend=backend_alias, timeout=0) as after:
+        assert after.token > held.token
+    held.release()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_slots_inside_atomic_are_taken_on_a_connection_of_their_own(name: str) -> None:
+    """On SQLite too, a slot taken inside ``atomic()`` is not part of the caller's transaction.
+
+    Its rollback leaves the slot held, so no token repeats. Once the caller's
+    transaction has written (it holds SQLite's write lock), a slot cannot be
+    taken and LockInTransaction comes at once, not after SQLite's busy timeout.
+    """
+    from tests.models import Counter
+
+    class Rollback(Exception):
+        pass
+
+    with contextlib.suppress(Rollback), transaction.atomic():
+        held = semaphore(name, limit=1, backend="db-sqlite", timeout=0).acquire()
+        raise Rollback
+    held.ensure()
+    with pytest.raises(LockTimeout):
+        semaphore(name, limit=1, backend="db-sqlite", timeout=0).acquire()
+    held.release()
+    started = time.monotonic()
+    with transaction.atomic():
+        Counter.objects.create(value=1)
+        with pytest.raises(LockInTransaction):
+            semaphore(name, limit=1, backend="db-sqlite", timeout=10).acquire()
+    assert time.monotonic() - started < 4
+    with semaphore(name, limit=1, backend="db-sqlite", timeout=0) as after:
+        assert after.token > held.token
+
+
+@pytest.mark.backends("db-postgresql", "db-mysql")
+@pytest.mark.with_default_db
+def test_two_unparks_never_take_the_same_task(backend_alias: str, name: str) -> None:
+    """Each parked task is sent again once: unparking locks the name's fence row."""
+    backend = locks[backend_alias]
+    for n in range(60):
+        backend.do_park(name, f"task-{n}", n, "{}")
+    taken: list[str] = []
+    mutex = threading.Lock()
+
+    def work() -> None:
+        try:
+            while got := backend.do_unpark(name, 3):
+                with mutex:
+                    taken.extend(p.key for p in got)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(taken) == sorted(f"task-{n}" for n in range(60))

@@ -37,7 +37,13 @@ from .sql import BINARY, SERVER_CLOCK, micros
 
 T = TypeVar("T")
 
+#: SQLite's busy timeout on the private connection used inside ``atomic()``, ms.
+PRIVATE_BUSY_TIMEOUT_MS = 200
+
 _BEGIN = {"sqlite": "BEGIN IMMEDIATE", "mysql": "START TRANSACTION", "postgresql": "BEGIN"}
+# MySQL's REPEATABLE READ would lock gaps (and deadlock racing acquirers) and
+# read holders from a snapshot; each statement here wants the latest commit.
+_ISOLATION = {"mysql": "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"}
 _LOCK_ROW = {"sqlite": "", "mysql": " FOR UPDATE", "postgresql": " FOR UPDATE"}
 _INSERT_IGNORE = {
     "sqlite": ("INSERT OR IGNORE INTO", ""),
@@ -58,6 +64,7 @@ class _SQL:
         now, binary = SERVER_CLOCK[vendor], BINARY[vendor]
         self.vendor = vendor
         self.begin = _BEGIN[vendor]
+        self.isolation = _ISOLATION.get(vendor)
         insert, conflict = _INSERT_IGNORE[vendor]
         # params: digest, namespace, name. The counter is seeded from the clock.
         self.counter_row = (
@@ -142,6 +149,12 @@ class DatabaseSlots(BaseLockBackend):
         private = getattr(self._local, "connection", None)
         if private is None:
             private = self._local.connection = connections.create_connection(self.database)
+        if private.connection is None:
+            private.ensure_connection()
+            # The caller's transaction may hold SQLite's write lock, which no
+            # wait here can outlast: find out in a fraction of a second.
+            with private.cursor() as cursor:
+                cursor.execute(f"PRAGMA busy_timeout = {PRIVATE_BUSY_TIMEOUT_MS}")
         return private
 
     def _counter_key(self, name: str) -> str:
@@ -155,6 +168,8 @@ class DatabaseSlots(BaseLockBackend):
             sql = self._slot_sql(conn)
             if not transaction:
                 return fn(sql, cursor)
+            if sql.isolation:
+                cursor.execute(sql.isolation)
             cursor.execute(sql.begin)
             try:
                 result = fn(sql, cursor)
@@ -184,9 +199,16 @@ class DatabaseSlots(BaseLockBackend):
         digest, counter = self._key(name), self._counter_key(name)
 
         def run(sql: _SQL, cursor: Any) -> int | None:
-            cursor.execute(sql.counter_row, [counter, self.key_prefix, name])
+            # Lock the counter row; create it first only if missing (an INSERT
+            # that finds the row takes a shared lock on MySQL, and two such
+            # transactions deadlock when both then ask for the row exclusively).
             cursor.execute(sql.lock_counter, [counter])
-            fence = int(cursor.fetchone()[0])
+            row = cursor.fetchone()
+            if row is None:
+                cursor.execute(sql.counter_row, [counter, self.key_prefix, name])
+                cursor.execute(sql.lock_counter, [counter])
+                row = cursor.fetchone()
+            fence = int(row[0])
             cursor.execute(sql.drop_ended, [digest])
             cursor.execute(sql.rows, [digest])
             rows = [(o, int(lim), int(w), t) for o, lim, w, t in cursor.fetchall() if o != owner]

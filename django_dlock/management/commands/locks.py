@@ -70,6 +70,18 @@ class Command(BaseCommand):
             help="Break every lease whose name starts with PREFIX (needs --yes).",
         )
         brk.add_argument(
+            "--slot",
+            type=int,
+            default=None,
+            metavar="TOKEN",
+            help="NAME is a semaphore or read/write lock: free its slot with this fencing token.",
+        )
+        brk.add_argument(
+            "--all-slots",
+            action="store_true",
+            help="NAME is a semaphore or read/write lock: free every slot.",
+        )
+        brk.add_argument(
             "--yes",
             "-y",
             "--no-input",
@@ -138,7 +150,12 @@ class Command(BaseCommand):
         elif subcommand == "show":
             self.show_lock(options["name"], backend, options.get("json", False))
         elif subcommand == "break":
-            self.break_locks(options.get("name"), backend, options.get("prefix"), options["yes"])
+            if options.get("slot") is not None or options.get("all_slots"):
+                self.break_slots(options.get("name"), backend, options.get("slot"), options["yes"])
+            else:
+                self.break_locks(
+                    options.get("name"), backend, options.get("prefix"), options["yes"]
+                )
         else:
             self.check_backends(backend, options.get("json", False))
 
@@ -147,7 +164,9 @@ class Command(BaseCommand):
     def list_locks(self, backend: str | None, prefix: str, as_json: bool) -> None:
         with _collector_paused():
             listing = holders.current_holders(backend, prefix)
-            output = self.render(listing, backend, prefix, as_json)
+            semaphores = holders.current_semaphores(backend, prefix)
+            output = self.render(listing, backend, prefix, as_json, semaphores=semaphores)
+        listing.errors.update(semaphores.errors)
         for alias, error in listing.errors.items():
             self.stderr.write(f"{alias}: {error}")
         self.stdout.write(output)
@@ -160,23 +179,46 @@ class Command(BaseCommand):
         prefix: str,
         as_json: bool,
         with_errors: bool = False,
+        semaphores: holders.SemaphoreListing | None = None,
     ) -> str:
-        """The listing as JSON or as a table; ``with_errors`` puts backends' errors first."""
+        """The listing as JSON or as a table; ``with_errors`` puts backends' errors first.
+
+        Semaphores and read/write locks follow the mutexes: in JSON as more
+        objects (with ``kind``, ``limit``, ``mode``, ``waiting``, ``parked``),
+        in a table as a second table, one row per holder.
+        """
         now = listing.taken_at
+        found = semaphores.semaphores if semaphores is not None else []
         if as_json:
-            return "[" + ",".join([holders.as_json(info, now) for info in listing.holders]) + "]"
+            objects = [holders.as_json(info, now) for info in listing.holders]
+            objects += [text for info in found for text in holders.semaphore_json(info, now)]
+            return "[" + ",".join(objects) + "]"
         lines = [
             self.style.ERROR(f"{alias}: {error}")
             for alias, error in (listing.errors.items() if with_errors else ())
         ]
-        if not listing.holders:
+        if not listing.holders and not found:
             where = f" on backend {backend!r}" if backend else ""
             under = f" with names starting {prefix!r}" if prefix else ""
             return "\n".join([*lines, f"No locks held{where}{under}."])
-        header, *rows = holders.table(
-            (holders.columns(info, now) for info in listing.holders), holders.COLUMNS
-        )
-        return "\n".join([*lines, self.style.MIGRATE_HEADING(header), *rows])
+        if listing.holders:
+            header, *rows = holders.table(
+                (holders.columns(info, now) for info in listing.holders), holders.COLUMNS
+            )
+            lines += [self.style.MIGRATE_HEADING(header), *rows]
+        if found:
+            header, *rows = holders.table(
+                (row for info in found for row in holders.semaphore_rows(info, now)),
+                holders.SEMAPHORE_COLUMNS,
+            )
+            if listing.holders:
+                lines.append("")
+            lines += [
+                "Semaphores and read/write locks:",
+                self.style.MIGRATE_HEADING(header),
+                *rows,
+            ]
+        return "\n".join(lines)
 
     def fail_for(self, listing: holders.Listing) -> None:
         if listing.errors:
@@ -189,14 +231,20 @@ class Command(BaseCommand):
         try:
             while True:
                 listing = holders.current_holders(backend, prefix)
+                semaphores = holders.current_semaphores(backend, prefix)
+                listing.errors.update(semaphores.errors)
                 if as_json:
                     # One JSON document per refresh, each on one line (NDJSON).
                     for alias, error in listing.errors.items():
                         self.stderr.write(f"{alias}: {error}")
-                    self.stdout.write(self.render(listing, backend, prefix, as_json=True))
+                    self.stdout.write(
+                        self.render(listing, backend, prefix, True, semaphores=semaphores)
+                    )
                 else:
                     # On a screen that is redrawn, errors belong in the frame.
-                    frame = self.render(listing, backend, prefix, as_json=False, with_errors=True)
+                    frame = self.render(
+                        listing, backend, prefix, False, with_errors=True, semaphores=semaphores
+                    )
                     stamp = listing.taken_at.strftime("%Y-%m-%d %H:%M:%S UTC")
                     title = f"Every {interval:g}s: locks list" + "".join(
                         f" --{option} {value}"
@@ -215,9 +263,14 @@ class Command(BaseCommand):
 
     def show_lock(self, name: str, backend: str | None, as_json: bool) -> None:
         listing = holders.find_holders(name, backend)
+        semaphores = holders.find_semaphores(name, backend)
         now = listing.taken_at
         if as_json:
-            self.stdout.write(self.render(listing, backend, "", as_json=True))
+            self.stdout.write(self.render(listing, backend, "", True, semaphores=semaphores))
+        elif semaphores.semaphores:
+            self.stdout.write(
+                self.render(holders.Listing(), backend, "", False, semaphores=semaphores)
+            )
         for info in [] if as_json else listing.holders:
             fields: list[tuple[str, str]] = [
                 ("backend", info.backend),
@@ -235,8 +288,9 @@ class Command(BaseCommand):
                     f"{self.style.MIGRATE_LABEL(label.ljust(width))}  {holders.printable(value)}"
                 )
             self.stdout.write("")
+        listing.errors.update(semaphores.errors)
         self.fail_for(listing)
-        if not listing.holders:
+        if not listing.holders and not semaphores.semaphores:
             raise CommandError(f"{name!r} is not held{_on(backend)}.", returncode=NOTHING_MATCHED)
 
     # --- break ----------------------------------------------------------------------
@@ -261,8 +315,15 @@ class Command(BaseCommand):
         if not listing.holders:
             self.fail_for(listing)
             what = f"{name!r} is not" if name is not None else f"no name starting {prefix!r} is"
+            hint = ""
+            if name is not None and holders.find_semaphores(name, backend).semaphores:
+                hint = (
+                    f" {name!r} is a semaphore or read/write lock: free one slot with "
+                    "--slot TOKEN (`manage.py locks show NAME` lists them), or --all-slots."
+                )
             raise CommandError(
-                f"Nothing broken: {what} held{_on(backend)}.", returncode=NOTHING_MATCHED
+                f"Nothing broken: {what} held as a lock{_on(backend)}.{hint}",
+                returncode=NOTHING_MATCHED,
             )
         if not yes:
             self.stdout.write("About to break:")
@@ -290,6 +351,60 @@ class Command(BaseCommand):
             self.fail_for(listing)
             raise CommandError("Nothing broken.", returncode=NOTHING_MATCHED)
         self.fail_for(listing)
+
+    def break_slots(
+        self, name: str | None, backend: str | None, token: int | None, yes: bool
+    ) -> None:
+        """Free one slot (``--slot TOKEN``) or every slot (``--all-slots``) of semaphore NAME."""
+        if name is None:
+            raise CommandError(
+                "--slot and --all-slots need the semaphore's NAME.", returncode=USAGE
+            )
+        listing = holders.find_semaphores(name, backend)
+        for alias, error in listing.errors.items():
+            self.stderr.write(f"{alias}: {error}")
+        chosen = [
+            (info, holder)
+            for info in listing.semaphores
+            for holder in info.holders
+            if token is None or holder.token == token
+        ]
+        if not chosen:
+            self.fail_for(listing)  # type: ignore[arg-type]
+            what = f"with token {token} " if token is not None else ""
+            raise CommandError(
+                f"Nothing broken: semaphore {name!r} has no slot {what}held{_on(backend)}.",
+                returncode=NOTHING_MATCHED,
+            )
+        if not yes:
+            self.stdout.write("About to free:")
+            rows = [holders.semaphore_rows(info, listing.taken_at) for info, _ in chosen]
+            header, *lines = holders.table(
+                (row for info_rows in rows for row in info_rows if row[5] in
+                 {str(h.token) for _, h in chosen}),
+                holders.SEMAPHORE_COLUMNS,
+            )  # fmt: skip
+            self.stdout.write("\n".join([header, *lines]))
+            if not self.confirm("Free these slots? Their holders will lose them. [y/N] "):
+                raise CommandError("Nothing broken.", returncode=NOTHING_MATCHED)
+        freed = 0
+        for info, holder in chosen:
+            try:
+                done = holders.break_slot(info, holder.token)
+            except DLockError as e:
+                self.stderr.write(f"{info.backend}: {e}")
+                continue
+            where = f"'{holders.printable(name)}' on {info.backend} (token {holder.token}"
+            if done:
+                freed += 1
+                label = holders.printable(holders.holder_label(holder.holder))
+                self.stdout.write(
+                    self.style.SUCCESS(f"Freed the slot of {where}, held by {label}).")
+                )
+            else:
+                self.stdout.write(self.style.WARNING(f"Left {where}): released since listed."))
+        if freed == 0:
+            raise CommandError("Nothing broken.", returncode=NOTHING_MATCHED)
 
     def confirm(self, question: str) -> bool:
         try:
