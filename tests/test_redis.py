@@ -27,7 +27,7 @@ import redis
 from django.core import checks
 from django.test import override_settings
 
-from django_dlock import BackendUnavailable, LockTimeout, lock, locks
+from django_dlock import BackendUnavailable, LockTimeout, lock, locks, rwlock, semaphore
 from django_dlock.backends.base import Grant
 from django_dlock.backends.redis import (
     HANDOVER_LEASE_MS,
@@ -36,7 +36,9 @@ from django_dlock.backends.redis import (
     RedisBackend,
     RedlockBackend,
     scripts,
+    slot_scripts,
 )
+from django_dlock.backends.slots import SlotView
 from django_dlock.checks import check_backends
 from django_dlock.exceptions import LockConfigurationError
 from tests.netproxy import Proxy
@@ -1068,3 +1070,181 @@ def test_a_stopped_waiter_handed_the_lock_stalls_the_queue_briefly(name: str) ->
     finally:
         _kill(frozen)
         backend.break_lock(name)
+
+
+# --- semaphores, read/write locks and parked tasks (issue 18) ---------------------------------
+
+
+def _sem_keys(backend_alias: str, name: str) -> dict[str, str]:
+    backend = locks[backend_alias]
+    assert isinstance(backend, RedisBackend)
+    kinds = ("h", "i", "w", "wi", "ww", "m", "wake", "fence", "idx")
+    return dict(zip(kinds, backend.slot_keys(name).slots, strict=True))
+
+
+def test_the_slot_scripts_copies_of_their_helpers_agree() -> None:
+    copies: dict[str, set[str]] = {}
+    for script in slot_scripts.ALL.values():
+        for fn, body in _lua_functions(script.text).items():
+            copies.setdefault(fn, set()).add(body)
+    assert {"prune", "touch", "wake", "settle"} <= set(copies)
+    assert {fn: len(bodies) for fn, bodies in copies.items()} == dict.fromkeys(copies, 1)
+
+
+def test_the_slot_scripts_use_the_constants_they_name() -> None:
+    values = {"WAKE_MAX": slot_scripts.WAKE_MAX, "SIGNAL_TTL_MS": SIGNAL_TTL_MS}
+    marked = 0
+    for script in slot_scripts.ALL.values():
+        for line in script.text.splitlines():
+            code, _, comment = line.partition("--")
+            for constant, value in values.items():
+                if comment.strip() == constant:
+                    marked += 1
+                    assert str(value) in code, line
+    assert marked == 6
+
+
+def test_slot_keys_are_as_documented(redis_servers: dict[str, Any], name: str) -> None:
+    client = raw(redis_servers["single"])
+    k = _sem_keys("redis", name)
+    assert k["h"] == f"{{dlock:0}}:sem:h:{name}" and k["fence"] == "{dlock:0}:sem:fence"
+    with semaphore(name, limit=2, backend="redis", metadata={"note": "docs"}) as held:
+        assert 0 < client.zscore(k["h"], held.owner) - time.time() * 1000 <= 30_000 + 1000
+        token, weight, acquired_us, holder = client.hget(k["i"], held.owner).split(":", 3)
+        assert (int(token), int(weight)) == (held.token, 1) and int(acquired_us) > 0
+        assert '"note":"docs"' in holder
+        assert client.hget(k["m"], "limit") == "2"
+        assert int(client.hget(k["fence"], name)) == held.token
+        assert client.zscore(k["idx"], name) == 0
+        for kind in ("h", "i", "m"):
+            assert 0 < client.pttl(k[kind]) <= 30_000, kind
+        assert client.exists(f"{{dlock:0}}:lock:{name}") == 0  # the mutex's keyspace is apart
+    assert [key for key in k.values() if client.exists(key)] == [k["fence"]]
+    assert int(client.hget(k["fence"], name)) == held.token
+    assert client.zscore(k["idx"], name) is None
+
+
+def test_an_abandoned_semaphore_vanishes(redis_servers: dict[str, Any], name: str) -> None:
+    """Its holder and a waiter died: every key but the fence expires by itself."""
+    client = raw(redis_servers["single"])
+    k = _sem_keys("redis", name)
+    semaphore(name, limit=1, backend="redis", ttl=0.3, renew=False).acquire()
+    backend = locks["redis"]
+    assert backend.do_acquire_slot(name, "dead-waiter", 0.4, "{}", False, 1, 1) is None
+    assert client.exists(k["w"]) and client.exists(k["wi"])
+    kinds = ["h", "i", "w", "wi", "ww", "m"]
+    wait_for(lambda: not any(client.exists(k[kind]) for kind in kinds), 5, "the keys expired")
+    assert client.hget(k["fence"], name) is not None
+    assert backend.semaphores(name) == []
+
+
+@pytest.mark.parametrize("alias", ["redis", "redis-cluster"])
+def test_a_slot_waiter_is_woken_by_a_release(alias: str, name: str) -> None:
+    """The waiter blocks on the wake list; a release wakes it at once.
+
+    Its wait is bounded by WAIT_CAP (1 s) here (ttl/3 is 10 s, the holder's
+    lease 30 s): it is released 0.3 s into a wait, so a waiter that was not
+    woken would take the slot 0.7 s after the release at the earliest.
+    """
+    backend = locks[alias]
+    first = semaphore(name, limit=1, backend=alias, ttl=30).acquire()
+    got: list[Any] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(semaphore(name, limit=1, backend=alias, ttl=30).acquire())
+    )
+    waiter.start()
+    try:
+        wait_for(lambda: any(i.waiting for i in backend.semaphores(name)), 10, "the waiter")
+        time.sleep(0.3)
+        released = time.monotonic()
+        first.release()
+        wait_for(lambda: bool(got), 10, "the waiter took the slot")
+        took = time.monotonic() - released
+        assert took < 0.35, f"the waiter took {took:.2f}s to notice the release"
+        assert got[0].token > first.token
+    finally:
+        waiter.join(10)
+        for held in got:
+            held.release()
+
+
+def test_slot_tokens_survive_a_restart_that_loses_data(
+    redis_servers: dict[str, Any], name: str
+) -> None:
+    server = redis_servers["single"]
+    with semaphore(name, limit=3, backend="redis") as before:
+        pass
+    server.restart()  # --save "" --appendonly no: everything is gone
+    assert raw(server).dbsize() == 0
+    with semaphore(name, limit=3, backend="redis") as after:
+        assert after.token > before.token
+    raw(server).flushall()
+    with semaphore(name, limit=3, backend="redis") as flushed:
+        assert flushed.token > after.token
+    # An older snapshot: the fence restored lower than the last token issued.
+    raw(server).hset(_sem_keys("redis", name)["fence"], name, 5)
+    with rwlock(name, backend="redis").write() as older:
+        assert older.token > flushed.token
+
+
+def test_cluster_keys_of_a_semaphore_share_one_slot(redis_servers: dict[str, Any]) -> None:
+    backend = locks["redis-cluster"]
+    assert isinstance(backend, RedisBackend)
+    port = redis_servers["cluster"][0].port
+    for i in range(20):
+        keys = backend.slot_keys(f"sem-slot-test:{i}:{{odd}}")
+        slots = {
+            redis_cli(port, "cluster", "keyslot", key).strip()
+            for key in (*keys.slots, *keys.park, keys.done_prefix + "x")
+        }
+        assert len(slots) == 1, slots
+
+
+def test_cluster_lists_semaphores_and_parked_tasks_over_masters(
+    redis_servers: dict[str, Any], name: str
+) -> None:
+    backend = locks["redis-cluster"]
+    names = [f"{name}:{i}" for i in range(16)]
+    held = [semaphore(n, limit=2, backend="redis-cluster").acquire() for n in names]
+    try:
+        per_master = [
+            len(redis.Redis(port=s.port).keys(f"*:sem:h:{name}:*"))
+            for s in redis_servers["cluster"]
+        ]
+        assert sum(1 for count in per_master if count) >= 2, per_master
+        assert [i.name for i in backend.semaphores(name)] == sorted(names)
+        for i, n in enumerate(names):
+            backend.do_park(n, f"task-{i}", i, "{}")
+        assert sorted(p.name for p in backend.do_list_parked(name)) == sorted(names)
+    finally:
+        for h in held:
+            h.release()
+        for n in names:
+            backend.do_unpark(n, 10)
+    assert backend.semaphores(name) == []
+
+
+def test_a_resent_unpark_loses_no_task(stalled: _Stalled, name: str) -> None:
+    """t0 UNPARK pops a task, t1 its reply is held past the socket timeout, t2 the
+    client resends it: the resend must answer with that task, not pop the next."""
+    backend = stalled.backend("stall", socket_timeout=0.3)
+    for i, key in enumerate("abc"):
+        backend.do_park(name, key, i, f'{{"n": "{key}"}}')
+    backend.do_unpark(f"{name}:warm-up", 1)  # the script is loaded: no NOSCRIPT below
+    stalled.stall(0.4)  # past the timeout, not its resend
+    assert [p.key for p in backend.do_unpark(name, 1)] == ["a"]
+    assert [p.key for p in backend.do_list_parked(name)] in (["b", "c"], ["c", "b"])
+    stalled.stall(0.4)
+    assert backend.do_unpark_key(name, "b") is True  # resent: still the one that took it
+    assert backend.do_unpark_key(name, "b") is False
+    assert [p.key for p in backend.do_unpark(name, 5)] == ["c"]
+
+
+def test_a_resent_slot_release_is_not_reported_lost(stalled: _Stalled, name: str) -> None:
+    backend = stalled.backend("stall", socket_timeout=0.3)
+    view = SlotView(backend, 2, 1)
+    view.acquire("warm-up", timeout=0).release()
+    held = view.acquire(name, ttl=30, renew=False)
+    stalled.stall(0.4)
+    assert backend.do_release_slot(name, held.owner) is True
+    assert backend.semaphores(name) == []

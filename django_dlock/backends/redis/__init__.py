@@ -38,6 +38,10 @@ keys always share one Redis Cluster slot::
                                   ran, so a resent RELEASE answers as the first did
     {Pdlock:s}:done:break:R       the same for BREAK request R (a random id)
 
+Semaphores and read/write locks (``{Pdlock:s}:sem:...``) and parked tasks
+(``{Pdlock:s}:park:...``) have keys of their own under the same tag; see
+``slot_scripts.py`` and ``docs/backends/redis.md``.
+
 Waiters queue from their first refusal with ``fair``, and otherwise once they
 have waited STARVE_AFTER; see ``docs/backends/redis.md``.
 
@@ -51,7 +55,8 @@ microsecond was issued for a name on average.
 
 Modules: ``scripts`` (the Lua scripts), ``connections`` (a server's
 connections), ``listing`` (reading leases back), ``aio`` (the asyncio path),
-``backend`` (RedisBackend), ``redlock`` (RedlockBackend).
+``backend`` (RedisBackend), ``redlock`` (RedlockBackend), ``semaphores`` and
+``slot_scripts`` (semaphores, read/write locks and parked tasks).
 """
 
 try:

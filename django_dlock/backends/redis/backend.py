@@ -27,12 +27,12 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from ...exceptions import BackendUnavailable, LockConfigurationError
-from ..base import Attempt, BaseLockBackend, Grant, LockInfo
+from ..base import Attempt, Grant, LockInfo
 from .aio import AsyncNode
 from .connections import Node, as_bytes, redacted, server_version, text, transient
 from .listing import get_lease, list_node
 from .scripts import ABANDON, ACQUIRE, EXTEND, RELEASE, WAITER_LEASE_MS
-from .slots import RedisSlots
+from .semaphores import RedisSemaphores
 
 #: Longest single blocking wait; waiters re-check at least this often.
 WAIT_CAP = 1.0
@@ -98,8 +98,11 @@ def ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-class RedisBackend(RedisSlots, BaseLockBackend):
-    """Leases in Redis; see the package docstring for the key layout and scripts."""
+class RedisBackend(RedisSemaphores):
+    """Leases in Redis; see the package docstring for the key layout and scripts.
+
+    Its semaphores, read/write locks and parked tasks are in ``semaphores.py``.
+    """
 
     supports_wakeups = True
     attempt_class = RedisAttempt
@@ -291,12 +294,12 @@ class RedisBackend(RedisSlots, BaseLockBackend):
 
     # --- keys -------------------------------------------------------------------------
 
-    def _tag(self, name: str) -> str:
-        """The hash tag of ``name``'s keys: one Cluster slot for all of them."""
+    def tag(self, name: str) -> str:
+        """The hash tag of ``name``'s shard, which all its keys (mutex and semaphore) carry."""
         return self._tags[zlib.crc32(name.encode()) % self.shards if self.shards > 1 else 0]
 
     def _make_keys(self, name: str) -> Keys:
-        tag = self._tag(name)
+        tag = self.tag(name)
         return Keys(
             lock=f"{tag}:lock:{name}",
             fence=f"{tag}:fence",

@@ -135,13 +135,13 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
     # Each master would queue and hand over on its own, and a hand-over by one
     # master is not a majority's grant: Redlock waiters never queue.
     queues_waiters = False
-    #: Semaphores on independent masters would need a quorum of slots per
-    #: holder; not offered: use one server, a Cluster or etcd for them.
-    supports_semaphores = False
     # A master that is down must cost one refused connection, not retries.
     retries = 0
     node_class = Master
     allowed_options = RedisBackend.allowed_options - {"connection"}
+    # A semaphore's holders would be counted by each master on its own, and
+    # no majority of such counts bounds the holders: no semaphores here.
+    supports_semaphores = False
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         super().__init__(alias, params)

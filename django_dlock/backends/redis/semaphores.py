@@ -1,0 +1,270 @@
+"""Semaphores, read/write locks and parked tasks on Redis: :class:`RedisSemaphores`.
+
+The scripts and their key layout are in ``slot_scripts.py``. A semaphore's
+keys carry the hash tag of its name's shard (the mutex's), so each script
+runs in one Cluster slot, and each shard keeps an index of its semaphores
+and of its parked queues, read page by page as the mutex's index is.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+
+from ..._validation import load_holders
+from ..base import BaseLockBackend, Grant, LockInfo, ParkedTask, SlotEntry, micros_to_datetime
+from ..slots import SlotAttempt
+from .connections import Node, text
+from .listing import lex_range
+from .slot_scripts import (
+    PARK,
+    PARK_LIST,
+    SLOT_ACQUIRE,
+    SLOT_BREAK,
+    SLOT_CHECK,
+    SLOT_EXTEND,
+    SLOT_LEAVE,
+    SLOT_LIST,
+    SLOT_RELEASE,
+    UNPARK,
+    UNPARK_KEY,
+)
+
+#: Semaphores a SLOT_LIST call reads (each with all its holders and waiters).
+SLOT_LIST_PAGE = 500
+
+
+class RedisSlotAttempt(SlotAttempt):
+    """One acquisition of a slot, woken by the semaphore's wake list.
+
+    A refused try learns when the semaphore may change by itself (the
+    earliest lease, or waiting writer, that holds it back ends); its wait
+    blocks on the wake list (BLPOP) no longer than that, a third of its TTL
+    (its waiter record must be refreshed before it ends) or WAIT_CAP.
+    """
+
+    #: Milliseconds until the semaphore may change by itself, as of the
+    #: latest refusal (0: unknown).
+    change_ms: int = 0
+
+    @property
+    def redis(self) -> RedisSemaphores:
+        base = self.backend.base
+        assert isinstance(base, RedisSemaphores)
+        return base
+
+    def try_acquire(self) -> int | Grant | None:
+        view = self.backend
+        result, self.change_ms = self.redis.acquire_slot(
+            self.name, self.owner, self.ttl, self.holder[1], view.limit, view.weight
+        )
+        return result
+
+    def wait(self, remaining: float | None) -> None:
+        self.redis.block_on_slot(self, remaining)
+
+
+@dataclass(frozen=True)
+class SlotKeys:
+    """A semaphore's keys, in the order of the scripts' KEYS[1..9], and its queue's."""
+
+    slots: list[str]
+    done_prefix: str
+    park: list[str]
+
+
+class RedisSemaphores(BaseLockBackend):
+    """The ``*_slot`` and ``*park*`` primitives of :class:`~.backend.RedisBackend`."""
+
+    supports_semaphores = True
+    slot_attempt_class = RedisSlotAttempt
+
+    if TYPE_CHECKING:
+        # What RedisBackend provides: its nodes, tags, blocking bound, the
+        # lifetime of retry markers and its runner that maps RedisError.
+        shards: int
+        _tags: list[str]
+        _blocking_cap: float
+        _done_ms: int
+
+        @property
+        def nodes(self) -> list[Node]: ...
+
+        def tag(self, name: str) -> str: ...
+
+        def _single(self, name: str, call: Callable[[Node], Any]) -> Any: ...
+
+    def slot_keys(self, name: str) -> SlotKeys:
+        t = self.tag(name)
+        per_name = [f"{t}:sem:{kind}:{name}" for kind in ("h", "i", "w", "wi", "ww", "m", "wake")]
+        return SlotKeys(
+            slots=[*per_name, f"{t}:sem:fence", f"{t}:sem:idx"],
+            done_prefix=f"{t}:done:sem:",
+            park=[f"{t}:park:q:{name}", f"{t}:park:p:{name}", f"{t}:park:idx"],
+        )
+
+    def _marker(self, keys: SlotKeys, what: str) -> str:
+        """A retry marker's key: one per request, so that only a resend finds it."""
+        return f"{keys.done_prefix}{what}:{secrets.token_hex(8)}"
+
+    def _slot_script(self, name: str, script: Any, keys: list[str], args: list[Any]) -> Any:
+        return self._single(name, lambda node: node.run(script, keys, args))
+
+    # --- slots ------------------------------------------------------------------------
+
+    def acquire_slot(
+        self, name: str, owner: str, ttl: float, holder: str, limit: int, weight: int
+    ) -> tuple[int | Grant | None, int]:
+        """One SLOT_ACQUIRE: its result, and the ms until the semaphore may change (refused)."""
+        keys = self.slot_keys(name).slots
+        args = [owner, name, _ms(ttl), holder, limit, weight]
+        sent = time.monotonic()
+        reply = self._slot_script(name, SLOT_ACQUIRE, keys, args)
+        if not isinstance(reply, list):
+            return int(reply), 0
+        first, second = int(reply[0]), int(reply[1])
+        if first > 0:
+            # Ours already (a resend): the server had `second` ms left when it
+            # answered, which was no earlier than `sent`.
+            return Grant(first, sent + second / 1000, second / 1000), 0
+        if first < 0:
+            raise self.limit_mismatch(name, limit, second)
+        return None, second
+
+    def block_on_slot(self, attempt: RedisSlotAttempt, remaining: float | None) -> None:
+        """Block on ``attempt``'s semaphore's wake list; see :class:`RedisSlotAttempt`."""
+        timeout = min(self._blocking_cap, attempt.ttl / 3)
+        if attempt.change_ms > 0:
+            timeout = min(timeout, attempt.change_ms / 1000 + 0.001)
+        if remaining is not None:
+            timeout = min(timeout, remaining)
+        if timeout < 0.001:
+            return
+        wake = self.slot_keys(attempt.name).slots[6]
+        started = time.monotonic()
+        try:
+            self.nodes[0].command("BLPOP", wake, round(timeout, 3))
+        except RedisError:
+            # The next try reports the outage; until then, no busy loop.
+            time.sleep(max(0.0, timeout - (time.monotonic() - started)))
+
+    def do_acquire_slot(
+        self, name: str, owner: str, ttl: float, holder: str, renew: bool, limit: int, weight: int
+    ) -> int | Grant | None:
+        return self.acquire_slot(name, owner, ttl, holder, limit, weight)[0]
+
+    def do_leave_slot(self, name: str, owner: str) -> None:
+        self._slot_script(name, SLOT_LEAVE, self.slot_keys(name).slots, [owner, name])
+
+    def do_release_slot(self, name: str, owner: str) -> bool:
+        keys = self.slot_keys(name)
+        marker = self._marker(keys, owner)
+        args = [owner, name, self._done_ms]
+        return bool(self._slot_script(name, SLOT_RELEASE, [*keys.slots, marker], args))
+
+    def do_extend_slot(self, name: str, owner: str, ttl: float) -> bool:
+        args = [owner, name, _ms(ttl)]
+        return bool(self._slot_script(name, SLOT_EXTEND, self.slot_keys(name).slots, args))
+
+    def do_check_slot(self, name: str, owner: str) -> bool:
+        holders = self.slot_keys(name).slots[0]
+        return bool(self._slot_script(name, SLOT_CHECK, [holders], [owner]))
+
+    def do_break_slot(self, name: str, token: int | None) -> int:
+        keys = self.slot_keys(name)
+        marker = self._marker(keys, "break")
+        args = ["", name, "" if token is None else str(token), self._done_ms]
+        return int(self._slot_script(name, SLOT_BREAK, [*keys.slots, marker], args))
+
+    def do_list_slots(self, prefix: str) -> list[SlotEntry]:
+        low, high = (bound.encode("utf-8", "surrogateescape") for bound in lex_range(prefix))
+        alias = self.alias
+
+        def read(node: Node) -> list[SlotEntry]:
+            entries: list[SlotEntry] = []
+            for tag in self._tags:
+                args = [low, high, f"{tag}:sem:", SLOT_LIST_PAGE]
+                for reply in node.pages(SLOT_LIST, [f"{tag}:sem:idx"], args):
+                    entries.extend(parse_slot_list(alias, reply))
+            return entries
+
+        result: list[SlotEntry] = self._single(prefix, read)
+        return result
+
+    # --- parked tasks -------------------------------------------------------------------
+
+    def do_park(self, name: str, key: str, order: int, payload: str) -> None:
+        keys = self.slot_keys(name).park
+        self._slot_script(name, PARK, keys, [name, key, order, payload])
+
+    def do_unpark(self, name: str, count: int) -> list[ParkedTask]:
+        keys = self.slot_keys(name)
+        marker = self._marker(keys, "unpark")
+        reply = self._slot_script(name, UNPARK, [*keys.park, marker], [name, count, self._done_ms])
+        return parse_parked(name, reply)
+
+    def do_unpark_key(self, name: str, key: str) -> bool:
+        keys = self.slot_keys(name)
+        marker = self._marker(keys, "unpark")
+        args = [name, key, self._done_ms]
+        return bool(self._slot_script(name, UNPARK_KEY, [*keys.park, marker], args))
+
+    def do_list_parked(self, prefix: str) -> list[ParkedTask]:
+        low, high = (bound.encode("utf-8", "surrogateescape") for bound in lex_range(prefix))
+
+        def read(node: Node) -> list[ParkedTask]:
+            parked: list[ParkedTask] = []
+            for tag in self._tags:
+                args = [low, high, f"{tag}:park:", SLOT_LIST_PAGE]
+                for reply in node.pages(PARK_LIST, [f"{tag}:park:idx"], args):
+                    for name, entries in zip(reply[2::2], reply[3::2], strict=True):
+                        parked.extend(parse_parked(text(name), entries))
+            return parked
+
+        result: list[ParkedTask] = self._single(prefix, read)
+        return result
+
+
+def parse_parked(name: str, flat: list[Any]) -> list[ParkedTask]:
+    """``{key1, "order1:payload1", ...}`` as ParkedTasks of ``name``, in that order."""
+    parked = []
+    for key, entry in zip(flat[0::2], flat[1::2], strict=True):
+        order, _, payload = text(entry).partition(":")
+        parked.append(ParkedTask(name, text(key), int(order), payload))
+    return parked
+
+
+def parse_slot_list(alias: str, reply: list[Any]) -> list[SlotEntry]:
+    """A SLOT_LIST reply as SlotEntries: each semaphore's holders, then its waiters."""
+    now_us = int(reply[0])
+    entries = []
+    for name_b, limit_b, held, weights in zip(
+        reply[2::4], reply[3::4], reply[4::4], reply[5::4], strict=True
+    ):
+        name, limit = text(name_b), int(limit_b)
+        for value, left in zip(held[0::2], held[1::2], strict=True):
+            token_s, weight_s, acquired_s, holder_json = text(value).split(":", 3)
+            (holder,), faithful = load_holders([holder_json])
+            left_ms = int(left)
+            info = LockInfo(
+                alias,
+                name,
+                int(token_s),
+                holder,
+                micros_to_datetime(int(acquired_s)),
+                micros_to_datetime(now_us + left_ms * 1000),
+                left_ms / 1000,
+                holder_json if faithful else None,
+            )
+            entries.append(SlotEntry(name, limit, int(weight_s), info))
+        entries.extend(SlotEntry(name, limit, int(w), None) for w in weights)
+    return entries
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
