@@ -6,6 +6,11 @@ from the backends through :mod:`django_dlock.holders`, like
 ``django_dlock.break_lock``, a POST with a CSRF token, and a second POST
 from the confirmation page. Each break is written to the admin log and sends
 ``lock_broken``.
+
+Mutexes' leases come first, one row each; then the semaphores and read/write
+locks, one row per holder's slot, in a table of their own (same paging). A
+break of a slot names its fencing token, so it frees that holder's slot and
+no other: the break form says ``kind`` ("semaphore" or "rwlock").
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ PER_PAGE = 100
 #: Seconds between reloads of the list unless ``?refresh=`` says otherwise (0: off).
 REFRESH = 10
 REFRESH_CHOICES = (0, 5, 10, 30, 60)
+#: The sidebar's "By kind" filter: ``?kind=`` value -> label.
+KINDS = {"mutex": "Locks", "semaphore": "Semaphores", "rwlock": "Read/write locks"}
+#: The ``kind`` of a break form that frees a slot rather than a mutex's lease.
+SLOT_KINDS = ("semaphore", "rwlock")
 #: The admin model's name before it was renamed LockListing; its URL names still work.
 OLD_MODEL_NAME = "lock"
 
@@ -85,17 +94,24 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         backend = request.GET.get("backend") or None
         if backend is not None and backend not in aliases:
             backend = None
+        kind = request.GET.get("kind") or None
+        if kind not in KINDS:
+            kind = None
         query = request.GET.get("q", "").strip()
         refresh = _refresh(request.GET.get("refresh"))
         listing = holders.current_holders(backend)
-        found = listing.holders
+        found: list[LockInfo | holders.Slot] = []
+        if kind in (None, "mutex"):
+            found += listing.holders
+        if kind != "mutex":
+            found += [slot for slot in listing.slots if kind in (None, slot.semaphore.kind)]
         if query:
             needle = query.casefold()
-            found = [info for info in found if needle in info.name.casefold()]
+            found = [row for row in found if needle in _name(row).casefold()]
         paginator = Paginator(found, PER_PAGE)
         page = paginator.get_page(request.GET.get("p"))
         now = listing.taken_at
-        params = {"backend": backend or "", "q": query, "refresh": refresh}
+        params = {"backend": backend or "", "kind": kind or "", "q": query, "refresh": refresh}
 
         def url(**changes: Any) -> str:
             merged = {**params, **changes}
@@ -106,17 +122,29 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "opts": self.opts,
             "title": "Locks",
             "subtitle": None,
-            "rows": [_row(info, now) for info in page.object_list],
+            "rows": [_row(row, now) for row in page.object_list if isinstance(row, LockInfo)],
+            "slot_rows": [
+                _slot_row(row, now) for row in page.object_list if isinstance(row, holders.Slot)
+            ],
             "page": page,
             "page_links": [
                 (number, url(p=number)) for number in paginator.get_elided_page_range(page.number)
             ],
             "total": paginator.count,
+            "lock_total": sum(isinstance(row, LockInfo) for row in found),
+            "slot_total": sum(
+                isinstance(row, holders.Slot) and row.lease is not None for row in found
+            ),
             "backends": [
                 (alias, alias == backend, url(backend=alias, p=None)) for alias in aliases
             ],
             "all_backends_url": url(backend=None, p=None),
             "backend": backend,
+            "kinds": [
+                (label, value == kind, url(kind=value, p=None)) for value, label in KINDS.items()
+            ],
+            "all_kinds_url": url(kind=None, p=None),
+            "kind": kind,
             "query": query,
             "errors": listing.errors,
             "refresh": refresh,
@@ -125,6 +153,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             ],
             "taken_at": now,
             "columns": [column.capitalize() for column in holders.COLUMNS],
+            "slot_columns": [column.capitalize() for column in holders.SLOT_COLUMNS],
             "can_break": self.has_break_permission(request),
             "filters": url()[1:],
             **(extra_context or {}),
@@ -133,7 +162,8 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return TemplateResponse(request, self.holders_template, context)
 
     def break_view(self, request: HttpRequest) -> HttpResponse:
-        """POST backend, name, token: the confirmation page; with ``confirm``: the break."""
+        """POST backend, name, token (and kind, for a slot): the confirmation page;
+        with ``confirm``: the break."""
         if not self.has_break_permission(request):
             raise PermissionDenied
         changelist = reverse(
@@ -148,17 +178,24 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         if alias not in list(locks) or not name or token is None:
             messages.error(request, "That break request did not name a lock and its token.")
             return HttpResponseRedirect(changelist)
-        listing = holders.find_holders(name, alias)
+        is_slot = request.POST.get("kind") in SLOT_KINDS
+        listing = holders.find_holders(name, alias, slots=is_slot)
         if listing.errors:
             messages.error(request, f"{alias}: {listing.errors[alias]}")
             return HttpResponseRedirect(changelist)
-        current = next((info for info in listing.holders if info.token == token), None)
-        if current is None:
-            messages.warning(
-                request,
-                f"Nothing broken: the lease on {name!r} with token {token} on {alias} has "
-                "been released or taken again since it was listed.",
+        current: LockInfo | holders.Slot | None
+        if is_slot:
+            current = next(
+                (s for s in listing.slots if s.lease is not None and s.lease.token == token), None
             )
+            gone = "has been released or has expired since it was listed"
+            what = f"the slot of {name!r} with token {token} on {alias}"
+        else:
+            current = next((info for info in listing.holders if info.token == token), None)
+            gone = "has been released or taken again since it was listed"
+            what = f"the lease on {name!r} with token {token} on {alias}"
+        if current is None:
+            messages.warning(request, f"Nothing broken: {what} {gone}.")
             return HttpResponseRedirect(changelist)
         if request.POST.get("confirm") != "yes":
             context = {
@@ -166,25 +203,34 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 "opts": self.opts,
                 "title": "Are you sure?",
                 "subtitle": None,
-                "row": _row(current, listing.taken_at),
+                "row": (
+                    _slot_row(current, listing.taken_at)
+                    if isinstance(current, holders.Slot)
+                    else _row(current, listing.taken_at)
+                ),
                 "changelist_url": changelist,
                 "filters": request.POST.get("filters", ""),
             }
             request.current_app = self.admin_site.name
             return TemplateResponse(request, self.confirmation_template, context)
         try:
-            broken = holders.break_holder(current)
+            if isinstance(current, holders.Slot):
+                broken = holders.break_slot(current)
+            else:
+                broken = holders.break_holder(current)
         except DLockError as e:
             messages.error(request, f"{alias}: {e}")
             return HttpResponseRedirect(changelist)
-        label = holders.holder_label(current.holder)
         if not broken:
-            messages.warning(
-                request,
-                f"Nothing broken: the lease on {name!r} with token {token} on {alias} ended "
-                "just before the break.",
-            )
+            messages.warning(request, f"Nothing broken: {what} ended just before the break.")
             return HttpResponseRedirect(changelist)
+        if isinstance(current, holders.Slot):
+            done = f"Freed {holders.slot_label(current)} {name!r}"
+            holder = current.lease.holder if current.lease is not None else {}
+        else:
+            done = f"Broke the lease on {name!r}"
+            holder = current.holder
+        label = holders.holder_label(holder)
         LogEntry.objects.create(
             user_id=request.user.pk,
             content_type_id=ContentType.objects.get_for_model(LockListing).pk,
@@ -192,13 +238,10 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             object_repr=name[:200],
             action_flag=DELETION,
             change_message=(
-                f"Broke the lease on {name!r} on backend {alias!r} "
-                f"(fencing token {token}, held by {label})."
+                f"{done} on backend {alias!r} (fencing token {token}, held by {label})."
             ),
         )
-        messages.success(
-            request, f"Broke the lease on {name!r} on {alias} (token {token}, held by {label})."
-        )
+        messages.success(request, f"{done} on {alias} (token {token}, held by {label}).")
         return HttpResponseRedirect(changelist)
 
 
@@ -207,7 +250,7 @@ def _list_query(filters: str) -> str:
     kept = [
         (key, value)
         for key, value in parse_qsl(filters)
-        if key in ("backend", "q", "p", "refresh")
+        if key in ("backend", "kind", "q", "p", "refresh")
     ]
     return f"?{urlencode(kept)}" if kept else ""
 
@@ -220,12 +263,51 @@ def _refresh(value: str | None) -> int:
     return seconds if seconds in REFRESH_CHOICES else REFRESH
 
 
+def _name(row: LockInfo | holders.Slot) -> str:
+    return row.semaphore.name if isinstance(row, holders.Slot) else row.name
+
+
 def _row(info: LockInfo, now: datetime) -> dict[str, Any]:
     cells = holders.columns(info, now)
     return {
         "info": info,
         "cells": cells,
+        "summary": list(zip(CONFIRM_LABELS, cells, strict=True)),
         "details": [(key, info.holder[key]) for key in info.holder],
         "acquired_at": info.acquired_at,
         "expires_at": None if cells[-1] == "never" else info.expires_at,
+    }
+
+
+#: The labels of a lease's and a slot's cells on the confirmation page.
+CONFIRM_LABELS = ("Backend", "Name", "Fencing token", "Holder", "Held for", "Expires in")
+SLOT_CONFIRM_LABELS = (
+    "Backend",
+    "Name",
+    "Kind",
+    "Limit",
+    "Mode",
+    "Fencing token",
+    "Holder",
+    "Held for",
+    "Expires in",
+    "Waiting",
+    "Parked",
+)
+
+
+def _slot_row(slot: holders.Slot, now: datetime) -> dict[str, Any]:
+    """A slot as the templates show it; ``info`` is its lease (None: nobody holds one)."""
+    cells = holders.slot_columns(slot, now)
+    lease = slot.lease
+    return {
+        "slot": slot,
+        "info": lease,
+        "cells": cells,
+        "summary": list(zip(SLOT_CONFIRM_LABELS, cells, strict=True)),
+        "kind": "read/write lock" if slot.semaphore.kind == "rwlock" else "semaphore",
+        "label": holders.slot_label(slot),
+        "details": [] if lease is None else [(key, lease.holder[key]) for key in lease.holder],
+        "acquired_at": None if lease is None else lease.acquired_at,
+        "expires_at": None if lease is None or cells[8] == "never" else lease.expires_at,
     }

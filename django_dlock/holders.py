@@ -1,8 +1,14 @@
 """Who holds what, across backends: what ``manage.py locks`` and the admin show.
 
 Both surfaces list through here, so that they show the same columns, and
-break through :func:`break_holder`, which names the fencing token it saw: a
-lease that was released and taken again since it was listed is left alone.
+break through :func:`break_holder` (a mutex's lease) and :func:`break_slot`
+(one holder's slot of a semaphore or read/write lock), which name the fencing
+token they saw: a lease that was released and taken again since it was
+listed is left alone.
+
+A mutex has one lease per name, so it is one row. A semaphore or read/write
+lock is one :class:`Slot` row per holder, each carrying the name's limit and
+its counts of waiting acquisitions and parked Celery calls.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from .backends.base import LockInfo, SemaphoreInfo
+from .backends.base import LockInfo
+from .backends.types import SemaphoreInfo
 from .exceptions import DLockError
 from .handler import locks
 
@@ -23,13 +30,33 @@ from .handler import locks
 HOLDER_FIELDS = ("host", "pid", "thread", "acquired_at", "ttl", "task_name", "task_id")
 
 
+@dataclass(frozen=True)
+class Slot:
+    """One row of a semaphore or read/write lock: a holder's ``lease`` and its ``mode``.
+
+    ``mode`` is "slot" (a semaphore's holder), "read" or "write". A name
+    that nobody holds but that has waiters or parked calls is listed too, as
+    one row whose ``lease`` and ``mode`` are None, so that a queue with no
+    holder (the moment they are woken) is never invisible.
+    """
+
+    semaphore: SemaphoreInfo
+    lease: LockInfo | None
+    mode: str | None
+
+
 @dataclass
 class Listing:
-    """Live leases on the backends asked, and the backends that did not answer."""
+    """Live leases on the backends asked, and the backends that did not answer.
+
+    ``holders`` are mutexes' leases; ``slots`` the rows of semaphores and
+    read/write locks, from the backends that have them.
+    """
 
     holders: list[LockInfo] = field(default_factory=list)
     errors: dict[str, DLockError] = field(default_factory=dict)
     taken_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    slots: list[Slot] = field(default_factory=list)
 
 
 def aliases(backend: str | None = None) -> list[str]:
@@ -38,33 +65,75 @@ def aliases(backend: str | None = None) -> list[str]:
 
 
 def current_holders(backend: str | None = None, prefix: str = "") -> Listing:
-    """Live leases whose names start with ``prefix``, by backend alias, then name."""
+    """Live leases and semaphore slots whose names start with ``prefix``, by backend, then name."""
     listing = Listing()
     for alias in aliases(backend):
         try:
             listing.holders.extend(locks[alias].list(prefix))
+            _add_slots(listing, alias, prefix)
         except DLockError as e:
             listing.errors[alias] = e
     return listing
 
 
-def find_holders(name: str, backend: str | None = None) -> Listing:
-    """The live lease on ``name`` on each backend that has one: one ``get`` per backend."""
+def find_holders(name: str, backend: str | None = None, *, slots: bool = False) -> Listing:
+    """The live lease on ``name`` on each backend that has one: one ``get`` per backend.
+
+    With ``slots``, also the rows of the semaphore or read/write lock
+    called exactly ``name`` (a name of that keyspace may also be a mutex's).
+    """
     listing = Listing()
     for alias in aliases(backend):
         try:
             info = locks[alias].get(name)
+            if info is not None:
+                listing.holders.append(info)
+            if slots:
+                _add_slots(listing, alias, name, exact=True)
         except DLockError as e:
             listing.errors[alias] = e
-            continue
-        if info is not None:
-            listing.holders.append(info)
     return listing
+
+
+def _add_slots(listing: Listing, alias: str, prefix: str, exact: bool = False) -> None:
+    backend = locks[alias]
+    if not backend.supports_semaphores:
+        return
+    for info in backend.semaphores(prefix):
+        if not exact or info.name == prefix:
+            listing.slots.extend(slots_of(info))
+
+
+def slots_of(info: SemaphoreInfo) -> list[Slot]:
+    """A row per holder of ``info``, by token; one empty row if it has none."""
+    rows = [Slot(info, lease, mode) for lease, mode in zip(info.holders, info.modes, strict=True)]
+    return rows or [Slot(info, None, None)]
 
 
 def break_holder(info: LockInfo) -> bool:
     """Break the lease ``info`` describes, if it is still that lease (same fencing token)."""
     return locks[info.backend].break_lock(info.name, token=info.token)
+
+
+def break_slot(slot: Slot) -> bool:
+    """Free the one slot ``slot`` lists, by its fencing token; False if it ended since."""
+    if slot.lease is None:
+        return False
+    return locks[slot.lease.backend].break_slot(slot.lease.name, slot.lease.token) > 0
+
+
+def slot_label(slot: Slot) -> str:
+    """``the slot of semaphore`` or ``the read slot of read/write lock``: the name follows."""
+    if slot.semaphore.kind == "rwlock":
+        mode = f"{slot.mode} " if slot.mode else ""
+        return f"the {mode}slot of read/write lock"
+    return "the slot of semaphore"
+
+
+def limit_label(info: SemaphoreInfo) -> str | None:
+    """The semaphore's limit as shown; None for a read/write lock (one writer or any
+    number of readers) and for a name known only by its parked calls."""
+    return str(info.limit) if info.kind == "semaphore" and info.limit > 0 else None
 
 
 def holder_label(holder: dict[str, Any]) -> str:
@@ -100,9 +169,9 @@ _encode_str = json.encoder.encode_basestring_ascii  # the C encoder when availab
 
 
 def as_json(info: LockInfo, now: datetime) -> str:
-    """One lease as a JSON object: backend, name, token, holder (an object),
-    acquired_at and expires_at (ISO 8601), expires_in and held_for (seconds);
-    a lease with no end has null ``expires_*``.
+    """One mutex's lease as a JSON object: backend, name, token, holder (an object),
+    acquired_at and expires_at (ISO 8601), expires_in and held_for (seconds),
+    and kind ("mutex"); a lease with no end has null ``expires_*``.
 
     Built as text rather than through ``json.dumps`` of a dict, in a third of
     the time (``manage.py locks --json`` with 100,000 leases). The holder's
@@ -111,6 +180,10 @@ def as_json(info: LockInfo, now: datetime) -> str:
     it; strings are escaped to ASCII, so no control character reaches a
     terminal.
     """
+    return f'{{{_lease_fields(info, now)},"kind":"mutex"}}'
+
+
+def _lease_fields(info: LockInfo, now: datetime) -> str:
     holder = info.holder_json
     if holder is None or not holder.isascii():
         holder = json.dumps(info.holder)
@@ -120,11 +193,38 @@ def as_json(info: LockInfo, now: datetime) -> str:
     else:
         expires = f'"expires_at":"{info.expires_at.isoformat()}","expires_in":{info.expires_in!r}'
     return (
-        f'{{"backend":{_encode_str(info.backend)},"name":{_encode_str(info.name)},'
+        f'"backend":{_encode_str(info.backend)},"name":{_encode_str(info.name)},'
         f'"token":{info.token},"holder":{holder},'
         f'"acquired_at":"{info.acquired_at.isoformat()}",{expires},'
-        f'"held_for":{held if held > 0 else 0.0!r}}}'
+        f'"held_for":{held if held > 0 else 0.0!r}'
     )
+
+
+def slot_as_json(slot: Slot, now: datetime) -> str:
+    """One row of a semaphore or read/write lock as a JSON object.
+
+    The keys of :func:`as_json` (null when nobody holds a slot), with kind
+    ("semaphore" or "rwlock"), limit (null for a read/write lock), mode
+    ("slot", "read", "write"; null with no holder), and the name's waiting
+    and parked counts.
+    """
+    sem = slot.semaphore
+    limit = limit_label(sem)
+    extra = json.dumps(
+        {
+            "kind": sem.kind,
+            "limit": None if limit is None else sem.limit,
+            "mode": slot.mode,
+            "waiting": sem.waiting,
+            "parked": sem.parked,
+        },
+        separators=(",", ":"),
+    )[1:-1]
+    if slot.lease is not None:
+        return f"{{{_lease_fields(slot.lease, now)},{extra}}}"
+    nobody = {"backend": sem.backend, "name": sem.name, "token": None, "holder": None}
+    nobody.update(dict.fromkeys(("acquired_at", "expires_at", "expires_in", "held_for")))
+    return f"{{{json.dumps(nobody, separators=(',', ':'))[1:-1]},{extra}}}"
 
 
 def printable(text: str) -> str:
@@ -160,90 +260,39 @@ def columns(info: LockInfo, now: datetime) -> tuple[str, ...]:
     )
 
 
-# --- semaphores and read/write locks ------------------------------------------------
+#: The columns of the semaphores and read/write locks in ``manage.py locks`` and the admin.
+SLOT_COLUMNS = (
+    "BACKEND",
+    "NAME",
+    "KIND",
+    "LIMIT",
+    "MODE",
+    "TOKEN",
+    "HOLDER",
+    "HELD FOR",
+    "EXPIRES IN",
+    "WAITING",
+    "PARKED",
+)
 
 
-@dataclass
-class SemaphoreListing:
-    """Semaphores and read/write locks on the backends asked, and those that did not answer."""
-
-    semaphores: list[SemaphoreInfo] = field(default_factory=list)
-    errors: dict[str, DLockError] = field(default_factory=dict)
-    taken_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
-
-
-def current_semaphores(backend: str | None = None, prefix: str = "") -> SemaphoreListing:
-    """Semaphores under ``prefix`` on each backend that has them, by alias, then name."""
-    listing = SemaphoreListing()
-    for alias in aliases(backend):
-        lock_backend = locks[alias]
-        if not lock_backend.supports_semaphores:
-            continue
-        try:
-            listing.semaphores.extend(lock_backend.semaphores(prefix))
-        except DLockError as e:
-            listing.errors[alias] = e
-    return listing
-
-
-def find_semaphores(name: str, backend: str | None = None) -> SemaphoreListing:
-    """The semaphore (or read/write lock) called exactly ``name`` on each backend."""
-    listing = current_semaphores(backend, name)
-    listing.semaphores = [info for info in listing.semaphores if info.name == name]
-    return listing
-
-
-def break_slot(info: SemaphoreInfo, token: int) -> bool:
-    """Free the slot of ``info`` with fencing token ``token``, if it is still held."""
-    return locks[info.backend].break_slot(info.name, token=token) == 1
-
-
-#: The columns of the semaphore table of ``manage.py locks`` and of the admin.
-SEMAPHORE_COLUMNS = (
-    "BACKEND", "NAME", "KIND", "LIMIT", "MODE", "TOKEN", "HOLDER", "HELD FOR", "EXPIRES IN",
-    "WAITING", "PARKED",
-)  # fmt: skip
-
-
-def semaphore_rows(info: SemaphoreInfo, now: datetime) -> list[tuple[str, ...]]:
-    """One row per holder (by token); one row of dashes for a name with none."""
-    limit = "-" if not info.limit else ("-" if info.kind == "rwlock" else str(info.limit))
-    waiting, parked = str(info.waiting), str(info.parked)
-    if not info.holders:
-        return [(info.backend, info.name, info.kind, limit, "-", "-", "-", "-", "-",
-                 waiting, parked)]  # fmt: skip
-    return [
-        (
-            info.backend,
-            info.name,
-            info.kind,
-            limit,
-            mode,
-            str(h.token),
-            holder_label(h.holder),
-            duration(held_for(h, now)),
-            duration(h.expires_in),
-            waiting,
-            parked,
+def slot_columns(slot: Slot, now: datetime) -> tuple[str, ...]:
+    sem, lease = slot.semaphore, slot.lease
+    held: tuple[str, ...] = ("-", "-", "-", "-")
+    if lease is not None:
+        held = (
+            str(lease.token),
+            holder_label(lease.holder),
+            duration(held_for(lease, now)),
+            duration(lease.expires_in),
         )
-        for h, mode in zip(info.holders, info.modes, strict=True)
-    ]
-
-
-def semaphore_json(info: SemaphoreInfo, now: datetime) -> list[str]:
-    """Its holders as ``as_json`` objects with ``kind``, ``limit``, ``mode``, ``waiting``
-    and ``parked`` added; a name with no holder (only waiters or parked calls) as one
-    object whose ``token`` and ``holder`` are null."""
-    extra = {
-        "kind": info.kind,
-        "limit": None if info.kind == "rwlock" else info.limit or None,
-        "waiting": info.waiting,
-        "parked": info.parked,
-    }
-    if not info.holders:
-        return [json.dumps({"backend": info.backend, "name": info.name, "token": None,
-                            "holder": None, **extra, "mode": None})]  # fmt: skip
-    return [
-        as_json(h, now)[:-1] + "," + json.dumps({**extra, "mode": mode})[1:]
-        for h, mode in zip(info.holders, info.modes, strict=True)
-    ]
+    return (
+        sem.backend,
+        sem.name,
+        sem.kind,
+        limit_label(sem) or "-",
+        slot.mode or "-",
+        *held,
+        str(sem.waiting),
+        str(sem.parked),
+    )

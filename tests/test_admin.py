@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import html
 import re
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlencode
@@ -16,8 +18,9 @@ from django.contrib.auth.models import Permission
 from django.test import Client, override_settings
 from django.urls import reverse
 
-from django_dlock import HeldLock, LockLost, LockNotOwned, lock
+from django_dlock import HeldLock, Lock, LockLost, LockNotOwned, lock, locks, rwlock, semaphore
 from django_dlock.backends.base import BaseLockBackend
+from django_dlock.parking import park_payload
 from django_dlock.signals import lock_broken
 from tests.servers import free_port
 
@@ -36,6 +39,26 @@ def rows(response: Any) -> list[dict[str, str]]:
     return [
         {"backend": html.unescape(b), "name": html.unescape(n), "token": t} for b, n, t in found
     ]
+
+
+def slot_rows(response: Any) -> list[dict[str, str]]:
+    """The semaphore and read/write lock rows: data-* attributes and each cell's text."""
+    found = []
+    for attributes, body in re.findall(
+        r'<tr class="slot"([^>]*)>(.*?)</tr>', response.content.decode(), re.S
+    ):
+        row = {
+            key: html.unescape(value)
+            for key, value in re.findall(r'data-([a-z]+)="([^"]*)"', attributes)
+        }
+        for field, text in re.findall(
+            r'<t[dh] class="field-([a-z-]+)[^"]*"[^>]*>(.*?)</t[dh]>', body, re.S
+        ):
+            # The holder's cell: its summary line, not the metadata it unfolds.
+            text = re.sub(r"</summary>.*", "", text, flags=re.S)
+            row[field] = html.unescape(re.sub(r"<[^>]+>|\s+", " ", text)).strip()
+        found.append(row)
+    return found
 
 
 def user_with(django_user_model: Any, *codenames: str, staff: bool = True) -> Any:
@@ -321,3 +344,254 @@ def test_the_rename_keeps_the_content_type_and_its_permissions() -> None:
         ).values_list("codename", flat=True)
     )
     assert codenames == {"view_lock", "break_lock"}
+
+
+# --- semaphores and read/write locks -------------------------------------------------------
+
+
+@contextlib.contextmanager
+def waiter(side: Lock) -> Iterator[None]:
+    """A thread waiting for ``side`` (the backend records it), which takes it and
+    lets it go once the test releases what blocks it."""
+    backend = locks[side.backend]
+
+    def waiting() -> int:
+        return sum(i.waiting for i in backend.semaphores(side.name) if i.name == side.name)
+
+    thread = threading.Thread(target=lambda: side.acquire(timeout=30).release())
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while waiting() == 0:
+            assert time.monotonic() < deadline, "the waiter was never recorded"
+            time.sleep(0.01)
+        yield
+    finally:
+        thread.join(timeout=30)
+
+
+def slot_form(held: HeldLock, kind: str = "semaphore", **extra: str) -> dict[str, str]:
+    return {**break_form(held), "kind": kind, **extra}
+
+
+@pytest.mark.django_db
+@override_settings(DLOCK_BACKENDS=LOCMEM)
+def test_semaphores_and_rwlocks_are_listed_with_kind_limit_mode_and_counts(
+    name: str, admin_client: Client
+) -> None:
+    mutex = lock(f"{name}:mutex").acquire()
+    exports = [semaphore(f"{name}:exports", limit=3).acquire() for _ in range(2)]
+    writer = rwlock(f"{name}:catalog").write().acquire()
+    payload = park_payload("billing.tasks.call_api", [], {}, {}, 1, 2)
+    locks["default"].do_park(f"{name}:api", "task-1", 1, payload)
+    try:
+        with waiter(rwlock(f"{name}:catalog").read()):
+            page = admin_client.get(reverse(CHANGELIST), {"q": name})
+            writer.release()
+    finally:
+        locks["default"].do_unpark(f"{name}:api", 10)
+    for held in (mutex, *exports):
+        held.release()
+
+    body = html.unescape(page.content.decode())
+    assert rows(page) == [
+        {"backend": "default", "name": f"{name}:mutex", "token": str(mutex.token)}
+    ]
+    assert "1 lock held, 3 slots of semaphores and read/write locks" in body
+    assert "Semaphores and read/write locks" in body
+    me = f"{writer.holder['host']}:{writer.holder['pid']}"
+    columns = ("name", "kind", "limit", "mode", "token", "holder", "waiting", "parked")
+    listed = [tuple(r[column] for column in columns) for r in slot_rows(page)]
+    assert listed == [
+        (f"{name}:api", "semaphore", "-", "-", "-", "no holder now", "0", "1"),
+        (f"{name}:catalog", "read/write lock", "-", "write", str(writer.token), me, "1", "0"),
+        *(
+            (f"{name}:exports", "semaphore", "3", "slot", str(h.token), me, "0", "0")
+            for h in exports
+        ),
+    ]
+    assert [r["mode"] for r in slot_rows(page)] == ["-", "write", "slot", "slot"]
+    # A Break button for each holder's slot, none for the row with no holder.
+    assert body.count('name="kind" value="semaphore"') == 2
+    assert body.count('name="kind" value="rwlock"') == 1
+
+
+@pytest.mark.django_db
+@override_settings(DLOCK_BACKENDS=LOCMEM)
+def test_break_frees_only_the_chosen_slot(name: str, admin_client: Client) -> None:
+    broken: list[tuple[str, str, int | None]] = []
+
+    def on_broken(sender: Any, **kwargs: Any) -> None:
+        broken.append((kwargs["backend"], kwargs["name"], kwargs["token"]))
+
+    first, second, third = (semaphore(name, limit=3).acquire() for _ in range(3))
+    filters = urlencode({"kind": "semaphore", "q": name})
+    form = slot_form(second, filters=filters)
+    confirm = admin_client.post(reverse(BREAK), form)
+    assert confirm.status_code == 200
+    text = html.unescape(re.sub(r"<[^>]+>", "", confirm.content.decode()))
+    assert "Are you sure?" in text
+    assert f"Free the slot of semaphore “{name}” held with token {second.token}" in text
+    assert '<tr><th scope="row">Limit</th><td>3</td></tr>' in confirm.content.decode()
+    assert "Yes, free it" in confirm.content.decode()
+    second.ensure()  # the first POST only asks
+
+    lock_broken.connect(on_broken)
+    try:
+        done = admin_client.post(reverse(BREAK), {**form, "confirm": "yes"}, follow=True)
+    finally:
+        lock_broken.disconnect(on_broken)
+    assert done.redirect_chain == [(f"{reverse(CHANGELIST)}?{filters}", 302)]
+    label = f"{second.holder['host']}:{second.holder['pid']}"
+    assert (
+        f"Freed the slot of semaphore {name!r} on default (token {second.token}, held by {label})."
+        in html.unescape(done.content.decode())
+    )
+    assert [r["token"] for r in slot_rows(done)] == [str(first.token), str(third.token)]
+    assert broken == [("default", name, second.token)]
+    with pytest.raises(LockLost):
+        second.ensure()
+    first.ensure()
+    third.ensure()
+    entry = LogEntry.objects.get(object_id=f"default:{name}")
+    assert entry.action_flag == DELETION
+    assert entry.change_message == (
+        f"Freed the slot of semaphore {name!r} on backend 'default' "
+        f"(fencing token {second.token}, held by {label})."
+    )
+    with semaphore(name, limit=3, timeout=0) as newcomer:  # the freed slot is free
+        assert newcomer.token > third.token
+    first.release()
+    third.release()
+
+
+@pytest.mark.django_db
+@override_settings(DLOCK_BACKENDS=LOCMEM)
+def test_break_a_reader_of_a_rwlock(name: str, admin_client: Client) -> None:
+    readers = [rwlock(name).read().acquire() for _ in range(2)]
+    form = slot_form(readers[0], kind="rwlock")
+    confirm = html.unescape(
+        re.sub(r"<[^>]+>", "", admin_client.post(reverse(BREAK), form).content.decode())
+    )
+    assert f"Free the read slot of read/write lock “{name}”" in confirm
+    done = admin_client.post(reverse(BREAK), {**form, "confirm": "yes"}, follow=True)
+    assert f"Freed the read slot of read/write lock {name!r}" in html.unescape(
+        done.content.decode()
+    )
+    with pytest.raises(LockLost):
+        readers[0].ensure()
+    readers[1].ensure()
+    readers[1].release()
+
+
+@pytest.mark.django_db
+@override_settings(DLOCK_BACKENDS=LOCMEM)
+def test_a_slot_released_since_the_page_was_shown_is_left_alone(
+    name: str, admin_client: Client
+) -> None:
+    seen = semaphore(name, limit=2).acquire()
+    form = slot_form(seen)
+    assert admin_client.post(reverse(BREAK), form).status_code == 200
+    seen.release()
+    with semaphore(name, limit=2) as other, semaphore(name, limit=2) as another:
+        done = admin_client.post(reverse(BREAK), {**form, "confirm": "yes"}, follow=True)
+        other.ensure()
+        another.ensure()
+    assert "has been released or has expired since it was listed" in done.content.decode()
+    assert not LogEntry.objects.exists()
+
+
+@pytest.mark.django_db
+@override_settings(DLOCK_BACKENDS=LOCMEM)
+def test_a_break_form_without_kind_never_frees_a_slot(name: str, admin_client: Client) -> None:
+    """A mutex's form (no ``kind``) names the mutex keyspace: a slot with its name is kept."""
+    held = semaphore(name, limit=2).acquire()
+    done = admin_client.post(reverse(BREAK), break_form(held, confirm="yes"), follow=True)
+    assert "has been released or taken again" in done.content.decode()
+    held.ensure()
+    held.release()
+
+
+@pytest.mark.django_db
+@override_settings(DLOCK_BACKENDS=LOCMEM)
+def test_filter_by_kind_and_search_cover_the_slots(name: str, admin_client: Client) -> None:
+    held = [
+        lock(f"{name}:m").acquire(),
+        semaphore(f"{name}:s", limit=2).acquire(),
+        rwlock(f"{name}:rw").read().acquire(),
+        semaphore(f"other:{name}", limit=2).acquire(),
+    ]
+    try:
+        url = reverse(CHANGELIST)
+
+        def listed(**params: str) -> list[str]:
+            page = admin_client.get(url, {"q": name, **params})
+            return [r["name"] for r in rows(page)] + [r["name"] for r in slot_rows(page)]
+
+        # The mutexes, then the slots, each by name.
+        assert listed() == [f"{name}:m", f"other:{name}", f"{name}:rw", f"{name}:s"]
+        assert listed(kind="mutex") == [f"{name}:m"]
+        assert listed(kind="semaphore") == [f"other:{name}", f"{name}:s"]
+        assert listed(kind="rwlock") == [f"{name}:rw"]
+        assert listed(kind="nonsense") == listed()
+        assert listed(q=f"other:{name}".upper()) == [f"other:{name}"]
+        page = admin_client.get(url, {"kind": "semaphore", "q": name}).content.decode()
+        assert "No locks held" not in page  # only slots on the page: no empty mutex table
+        assert 'name="kind" value="semaphore"' in page  # the search keeps the kind
+    finally:
+        for h in held:
+            h.release()
+
+
+@pytest.mark.django_db
+def test_view_permission_lists_slots_but_cannot_free_them(
+    name: str, django_user_model: Any
+) -> None:
+    client = client_for(user_with(django_user_model, "view_lock"))
+    with override_settings(DLOCK_BACKENDS=LOCMEM), semaphore(name, limit=2) as held:
+        page = client.get(reverse(CHANGELIST), {"q": name})
+        assert [r["token"] for r in slot_rows(page)] == [str(held.token)]
+        assert "Break…" not in page.content.decode()
+        assert client.post(reverse(BREAK), slot_form(held, confirm="yes")).status_code == 403
+        held.ensure()
+
+
+@pytest.mark.django_db
+def test_semaphore_names_are_escaped(admin_client: Client) -> None:
+    with override_settings(DLOCK_BACKENDS=LOCMEM):
+        held = semaphore(XSS, limit=2, metadata={"note": XSS}).acquire()
+        page = admin_client.get(reverse(CHANGELIST)).content.decode()
+        confirm = admin_client.post(reverse(BREAK), slot_form(held)).content.decode()
+        for body in (page, confirm):
+            assert XSS not in body
+            assert "&lt;script&gt;alert(1)&lt;/script&gt;" in body
+        admin_client.post(reverse(BREAK), slot_form(held, confirm="yes"))
+        with pytest.raises(LockLost):
+            held.ensure()
+
+
+@pytest.mark.with_default_db
+def test_list_and_free_a_slot_on_every_backend(
+    backend_alias: str, backend: BaseLockBackend, name: str, admin_client: Client
+) -> None:
+    if not backend.supports_semaphores:
+        pytest.skip(f"backend {backend_alias!r} declares no supports_semaphores")
+    held = [semaphore(name, limit=2, backend=backend_alias).acquire() for _ in range(2)]
+    try:
+        page = admin_client.get(reverse(CHANGELIST), {"backend": backend_alias, "q": name})
+        assert [(r["backend"], r["kind"], r["limit"], r["token"]) for r in slot_rows(page)] == [
+            (backend_alias, "semaphore", "2", str(h.token)) for h in held
+        ]
+        filters = urlencode({"backend": backend_alias, "q": name})
+        form = {**slot_form(held[0], filters=filters), "backend": backend_alias, "confirm": "yes"}
+        done = admin_client.post(reverse(BREAK), form, follow=True)
+        assert f"Freed the slot of semaphore {name!r} on {backend_alias}" in html.unescape(
+            done.content.decode()
+        )
+        with pytest.raises(LockLost):
+            held[0].ensure()
+        held[1].ensure()
+    finally:
+        held[1].release()
+        with contextlib.suppress(LockLost):
+            held[0].release()

@@ -45,6 +45,7 @@ def test_as_json_is_the_lease_as_a_json_object(
         "expires_at": "2026-11-21T12:00:27.500000+00:00",
         "expires_in": 27.5,
         "held_for": 2.5,
+        "kind": "mutex",
     }
 
 

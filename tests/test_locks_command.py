@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
 import re
+import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -19,8 +23,9 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
-from django_dlock import LockLost, lock, locks
+from django_dlock import Lock, LockLost, LockTimeout, lock, locks, rwlock, semaphore
 from django_dlock.backends.base import BaseLockBackend
+from django_dlock.parking import park_payload
 from django_dlock.signals import lock_broken
 from tests.servers import free_port
 
@@ -198,6 +203,347 @@ def test_break_by_prefix_breaks_only_those_names(name: str) -> None:
             held.ensure()
         assert f"Broke '{held.name}' on default (token {held.token}" in output
     assert sorted(broken) == sorted([(a.name, a.token), (b.name, b.token)])
+
+
+# --- semaphores and read/write locks -------------------------------------------------------
+
+SLOT_HEADER = [
+    "BACKEND",
+    "NAME",
+    "KIND",
+    "LIMIT",
+    "MODE",
+    "TOKEN",
+    "HOLDER",
+    "HELD FOR",
+    "EXPIRES IN",
+    "WAITING",
+    "PARKED",
+]
+
+
+@contextlib.contextmanager
+def waiter(side: Lock, backend: BaseLockBackend) -> Iterator[None]:
+    """A thread that waits for ``side`` (recorded by the backend as waiting),
+    takes it once the test releases what blocks it, and lets it go."""
+    name = side.name
+    before = sum(info.waiting for info in backend.semaphores(name) if info.name == name)
+    thread = threading.Thread(target=lambda: side.acquire(timeout=30).release())
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while (
+            sum(info.waiting for info in backend.semaphores(name) if info.name == name) == before
+        ):
+            assert time.monotonic() < deadline, "the waiter was never recorded"
+            time.sleep(0.01)
+        yield
+    finally:
+        thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def parked_call(key: str) -> Iterator[None]:
+    """A Celery call parked on ``key`` in the default backend, as ``on_locked="defer"``
+    parks it (the backend's own queue), and unparked at the end."""
+    payload = park_payload("billing.tasks.call_api", [1], {}, {}, 1, 2)
+    locks["default"].do_park(key, "task-1", 1, payload)
+    try:
+        yield
+    finally:
+        locks["default"].do_unpark(key, 10)
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_semaphores_and_rwlocks_follow_the_mutexes_in_a_table_of_their_own(name: str) -> None:
+    backend = locks["default"]
+    host = lock(f"{name}:mutex").acquire().holder["host"]  # held until the test ends
+    exports = [semaphore(f"{name}:exports", limit=3).acquire() for _ in range(2)]
+    reader = rwlock(f"{name}:catalog").read().acquire()
+    with parked_call(f"{name}:api"), waiter(rwlock(f"{name}:catalog").write(), backend):
+        table = run("--prefix", name).splitlines()
+        listed = json.loads(run("--prefix", name, "--json"))
+        reader.release()
+    for held in exports:
+        held.release()
+
+    # The mutexes' table is what it always was; a blank line; then the slots.
+    assert cells(table[0]) == ["BACKEND", "NAME", "TOKEN", "HOLDER", "HELD FOR", "EXPIRES IN"]
+    assert cells(table[1])[1] == f"{name}:mutex"
+    assert table[2] == ""
+    assert cells(table[3]) == SLOT_HEADER
+    rows = [cells(line) for line in table[4:]]
+    me = f"{host}:{os.getpid()}"
+    assert [row[:7] + row[9:] for row in rows] == [
+        ["default", f"{name}:api", "semaphore", "-", "-", "-", "-", "0", "1"],
+        ["default", f"{name}:catalog", "rwlock", "-", "read", str(reader.token), me, "1", "0"],
+        *(
+            ["default", f"{name}:exports", "semaphore", "3", "slot", str(h.token), me, "0", "0"]
+            for h in exports
+        ),
+    ]
+    assert rows[0][7:9] == ["-", "-"]
+    assert all(row[7].endswith("s") and row[8].endswith("s") for row in rows[1:])
+
+    # JSON: one object per row; the mutex's keys as before, plus "kind" on every one.
+    mutex, api, catalog, *slots = listed
+    lease_keys = {"backend", "name", "token", "holder", "acquired_at", "expires_at"}
+    lease_keys |= {"expires_in", "held_for"}
+    assert set(mutex) == lease_keys | {"kind"} and mutex["kind"] == "mutex"
+    for item in (api, catalog, *slots):
+        assert set(item) == lease_keys | {"kind", "limit", "mode", "waiting", "parked"}
+    assert (api["kind"], api["limit"], api["mode"], api["token"], api["holder"]) == (
+        "semaphore",
+        None,
+        None,
+        None,
+        None,
+    )
+    assert (api["waiting"], api["parked"]) == (0, 1)
+    assert (catalog["kind"], catalog["limit"], catalog["mode"]) == ("rwlock", None, "read")
+    assert (catalog["token"], catalog["waiting"], catalog["holder"]["pid"]) == (
+        reader.token,
+        1,
+        os.getpid(),
+    )
+    assert [(s["kind"], s["limit"], s["mode"], s["token"]) for s in slots] == [
+        ("semaphore", 3, "slot", h.token) for h in exports
+    ]
+    assert 0 < slots[0]["expires_in"] <= 30 and slots[0]["held_for"] >= 0
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_only_semaphores_held_prints_only_their_table(name: str) -> None:
+    with semaphore(name, limit=2) as held:
+        header, row = map(cells, run("--prefix", name).splitlines())
+    assert header == SLOT_HEADER
+    assert row[:6] == ["default", name, "semaphore", "2", "slot", str(held.token)]
+
+
+@override_settings(
+    DLOCK_BACKENDS={
+        "default": LOCMEM,
+        "example": {
+            "BACKEND": "tests.example_backend.SQLiteFileBackend",
+            "LOCATION": ":memory:",
+        },
+    }
+)
+def test_a_backend_without_semaphores_is_listed_without_them(name: str) -> None:
+    assert not locks["example"].supports_semaphores
+    with semaphore(name, limit=2), lock(name, backend="example") as mutex:
+        table = run("--prefix", name).splitlines()
+        shown = run("show", name)
+    assert cells(table[1])[:3] == ["example", name, str(mutex.token)]
+    assert cells(table[4])[:3] == ["default", name, "semaphore"]
+    assert (
+        "kind                semaphore" in shown and f"token               {mutex.token}" in shown
+    )
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_show_a_semaphore_holder_and_a_waiting_writer(name: str) -> None:
+    readers = [rwlock(name, metadata={"note": "nightly"}).read().acquire() for _ in range(2)]
+    with waiter(rwlock(name).write(), locks["default"]):
+        shown = run("show", name)
+        (first, *_) = json.loads(run("show", name, "--json"))
+        for held in readers:
+            held.release()
+    blocks = [block for block in shown.split("\n\n") if block.strip()]
+    assert len(blocks) == 2
+    for block, held in zip(blocks, readers, strict=True):
+        fields = dict(cells(line) for line in block.splitlines())
+        assert fields["kind"] == "rwlock" and fields["limit"] == "-"
+        assert (fields["mode"], fields["waiting"], fields["parked"]) == ("read", "1", "0")
+        assert fields["token"] == str(held.token) and fields["holder.note"] == "nightly"
+    assert (first["kind"], first["mode"], first["token"]) == ("rwlock", "read", readers[0].token)
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_break_frees_the_one_slot_chosen_by_token(name: str) -> None:
+    broken: list[tuple[str, int | None]] = []
+
+    def on_broken(sender: Any, **kwargs: Any) -> None:
+        broken.append((kwargs["name"], kwargs["token"]))
+
+    first, second, third = (semaphore(name, limit=3).acquire() for _ in range(3))
+    try:
+        # Without a token: refused, with the tokens to choose from, and nothing freed.
+        error, _ = failing("break", name, "--yes")
+        assert error.returncode == 2
+        assert f"semaphore '{name}' has 3 holder(s)" in str(error)
+        assert str(first.token) in str(error) and "--all-slots" in str(error)
+        assert f"manage.py locks break {shlex.quote(name)} --token {first.token}" in str(error)
+        for held in (first, second, third):
+            held.ensure()
+
+        lock_broken.connect(on_broken)
+        try:
+            output = run("break", name, "--token", str(second.token), "--yes")
+        finally:
+            lock_broken.disconnect(on_broken)
+        assert output == (
+            f"Freed the slot of semaphore '{name}' on default (token {second.token}, "
+            f"held by {second.holder['host']}:{os.getpid()}).\n"
+        )
+        assert broken == [(name, second.token)]
+        with pytest.raises(LockLost):
+            second.ensure()
+        first.ensure()
+        third.ensure()
+        (info,) = locks["default"].semaphores(name)
+        assert [h.token for h in info.holders] == [first.token, third.token]
+        # The freed slot is free: a newcomer enters at once.
+        with semaphore(name, limit=3, timeout=0) as newcomer:
+            assert newcomer.token > third.token
+
+        # The same token again: nothing left to free.
+        error, _ = failing("break", name, "--token", str(second.token), "--yes")
+        assert error.returncode == 1
+        assert (
+            str(error)
+            == f"Nothing broken: {name!r} has no lease or slot with token {second.token}."
+        )
+    finally:
+        for held in (first, third):
+            held.release()
+        with contextlib.suppress(LockLost):
+            second.release()
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_break_a_writer_of_a_rwlock_lets_the_readers_in(name: str) -> None:
+    writer = rwlock(name).write().acquire()
+    with pytest.raises(LockTimeout):
+        rwlock(name, timeout=0).read().acquire()
+    output = run("break", name, "--token", str(writer.token), "--yes")
+    assert (
+        f"Freed the write slot of read/write lock '{name}' on default (token {writer.token}"
+        in output
+    )
+    with pytest.raises(LockLost):
+        writer.ensure()
+    with rwlock(name, timeout=0).read() as reader:
+        assert reader.token > writer.token
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_a_mutex_with_a_token_is_broken_only_if_it_has_that_token(name: str) -> None:
+    held = lock(name).acquire()
+    error, _ = failing("break", name, "--token", str(held.token - 1), "--yes")
+    assert error.returncode == 1
+    held.ensure()
+    output = run("break", name, "--token", str(held.token), "--yes")
+    assert f"Broke '{name}' on default (token {held.token}" in output
+    with pytest.raises(LockLost):
+        held.ensure()
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_break_by_prefix_leaves_slots_unless_all_slots(name: str) -> None:
+    mutex = lock(f"{name}:m").acquire()
+    slots = [semaphore(f"{name}:s", limit=2).acquire() for _ in range(2)]
+    reader = rwlock(f"{name}:rw").read().acquire()
+    output = run("break", "--prefix", name, "--yes")
+    assert f"Broke '{name}:m' on default (token {mutex.token}" in output
+    assert "Left alone: 2 semaphores and read/write locks have 3 holders" in output
+    with pytest.raises(LockLost):
+        mutex.ensure()
+    for held in (*slots, reader):
+        held.ensure()
+
+    # Only slots under the prefix, no --all-slots: refused, nothing freed.
+    error, _ = failing("break", "--prefix", name, "--yes")
+    assert error.returncode == 2 and "--all-slots" in str(error)
+    reader.ensure()
+
+    output = run("break", "--prefix", name, "--yes", "--all-slots")
+    for held in (*slots, reader):
+        assert f"'{held.name}' on default (token {held.token}" in output
+        with pytest.raises(LockLost):
+            held.ensure()
+    assert locks["default"].semaphores(name) == []
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_all_slots_frees_every_slot_of_a_name(name: str) -> None:
+    slots = [semaphore(name, limit=5).acquire() for _ in range(3)]
+    output = run("break", name, "--all-slots", "--yes")
+    assert output.count(f"Freed the slot of semaphore '{name}'") == 3
+    for held in slots:
+        with pytest.raises(LockLost):
+            held.ensure()
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+def test_the_confirmation_lists_the_slot_and_no_breaks_nothing(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answers = iter(["n", "y"])
+    monkeypatch.setattr("builtins.input", lambda question: next(answers))
+    held = semaphore(name, limit=2).acquire()
+    error, out = failing("break", name, "--token", str(held.token))
+    assert error.returncode == 1
+    lines = out.splitlines()
+    assert lines[0] == "About to break:"
+    assert cells(lines[1]) == SLOT_HEADER
+    assert cells(lines[2])[:6] == ["default", name, "semaphore", "2", "slot", str(held.token)]
+    held.ensure()
+    assert "Freed the slot" in run("break", name, "--token", str(held.token))
+    with pytest.raises(LockLost):
+        held.ensure()
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("break", "--prefix", "x", "--token", "1", "--yes"),
+        ("break", "x", "--token", "1", "--all-slots", "--yes"),
+    ],
+    ids=["token-with-prefix", "token-with-all-slots"],
+)
+def test_slot_break_usage_errors_exit_2(args: tuple[str, ...]) -> None:
+    with semaphore("x", limit=1) as held:
+        error, _ = failing(*args)
+        held.ensure()
+    assert error.returncode == 2
+
+
+def test_list_and_break_a_slot_on_every_backend(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    if not backend.supports_semaphores:
+        pytest.skip(f"backend {backend_alias!r} declares no supports_semaphores")
+    held = [semaphore(name, limit=2, backend=backend_alias).acquire() for _ in range(2)]
+    writer = rwlock(f"{name}:rw", backend=backend_alias).write().acquire()
+    try:
+        header, *rows = map(cells, run("--backend", backend_alias, "--prefix", name).splitlines())
+        assert header == SLOT_HEADER
+        assert [row[:6] for row in rows] == [
+            [backend_alias, name, "semaphore", "2", "slot", str(held[0].token)],
+            [backend_alias, name, "semaphore", "2", "slot", str(held[1].token)],
+            [backend_alias, f"{name}:rw", "rwlock", "-", "write", str(writer.token)],
+        ]
+        listed = json.loads(run("--backend", backend_alias, "--prefix", name, "--json"))
+        assert [(i["kind"], i["mode"], i["token"]) for i in listed] == [
+            ("semaphore", "slot", held[0].token),
+            ("semaphore", "slot", held[1].token),
+            ("rwlock", "write", writer.token),
+        ]
+        output = run(
+            "break", name, "--backend", backend_alias, "--token", str(held[1].token), "--yes"
+        )
+        assert f"Freed the slot of semaphore '{name}' on {backend_alias}" in output
+        with pytest.raises(LockLost):
+            held[1].ensure()
+        held[0].ensure()
+        writer.ensure()
+    finally:
+        for h in (held[0], writer):
+            h.release()
+        with contextlib.suppress(LockLost):
+            held[1].release()
 
 
 # --- as a real process ---------------------------------------------------------------------

@@ -1,5 +1,11 @@
 """``manage.py locks``: list, show, break and check locks on every configured backend.
 
+Mutexes are listed one row per lease, as they always were; semaphores and
+read/write locks follow in a table of their own, one row per holder's slot.
+A break of a slot names its fencing token (``--token``), or says
+``--all-slots``: a semaphore's holders are peers, and freeing all of them
+when one is stuck is rarely what the operator meant.
+
 Exit codes: 0 done; 1 nothing matched (``show``, ``break``) or the break was
 not confirmed; 2 bad usage or ``DLOCK_BACKENDS`` settings; 3 a backend did
 not answer.
@@ -11,13 +17,16 @@ import argparse
 import contextlib
 import gc
 import json
+import shlex
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ... import holders
+from ...backends.types import LockInfo
 from ...checks import check_backends
 from ...exceptions import DLockError, LockConfigurationError
 from ...handler import locks
@@ -60,7 +69,8 @@ class Command(BaseCommand):
 
         brk = sub.add_parser(
             "break",
-            help="Delete the lease on NAME (or on every name under --prefix) whoever holds it.",
+            help="Delete the lease on NAME (or on every name under --prefix) whoever holds it; "
+            "free one slot of a semaphore or read/write lock with --token.",
         )
         brk.add_argument("name", nargs="?", help="The lock's exact name.")
         self._backend_option(brk, aliases, default=False)
@@ -70,16 +80,17 @@ class Command(BaseCommand):
             help="Break every lease whose name starts with PREFIX (needs --yes).",
         )
         brk.add_argument(
-            "--slot",
+            "--token",
             type=int,
             default=None,
-            metavar="TOKEN",
-            help="NAME is a semaphore or read/write lock: free its slot with this fencing token.",
+            help="Only the lease or slot of NAME with this fencing token (the TOKEN column). "
+            "This is how one holder's slot of a semaphore or read/write lock is freed.",
         )
         brk.add_argument(
             "--all-slots",
             action="store_true",
-            help="NAME is a semaphore or read/write lock: free every slot.",
+            help="Also free every slot of the semaphores and read/write locks matched "
+            "(without it, they are only freed one at a time, by --token).",
         )
         brk.add_argument(
             "--yes",
@@ -150,12 +161,14 @@ class Command(BaseCommand):
         elif subcommand == "show":
             self.show_lock(options["name"], backend, options.get("json", False))
         elif subcommand == "break":
-            if options.get("slot") is not None or options.get("all_slots"):
-                self.break_slots(options.get("name"), backend, options.get("slot"), options["yes"])
-            else:
-                self.break_locks(
-                    options.get("name"), backend, options.get("prefix"), options["yes"]
-                )
+            self.break_locks(
+                options.get("name"),
+                backend,
+                options.get("prefix"),
+                options["yes"],
+                options["token"],
+                options["all_slots"],
+            )
         else:
             self.check_backends(backend, options.get("json", False))
 
@@ -164,9 +177,7 @@ class Command(BaseCommand):
     def list_locks(self, backend: str | None, prefix: str, as_json: bool) -> None:
         with _collector_paused():
             listing = holders.current_holders(backend, prefix)
-            semaphores = holders.current_semaphores(backend, prefix)
-            output = self.render(listing, backend, prefix, as_json, semaphores=semaphores)
-        listing.errors.update(semaphores.errors)
+            output = self.render(listing, backend, prefix, as_json)
         for alias, error in listing.errors.items():
             self.stderr.write(f"{alias}: {error}")
         self.stdout.write(output)
@@ -179,25 +190,18 @@ class Command(BaseCommand):
         prefix: str,
         as_json: bool,
         with_errors: bool = False,
-        semaphores: holders.SemaphoreListing | None = None,
     ) -> str:
-        """The listing as JSON or as a table; ``with_errors`` puts backends' errors first.
-
-        Semaphores and read/write locks follow the mutexes: in JSON as more
-        objects (with ``kind``, ``limit``, ``mode``, ``waiting``, ``parked``),
-        in a table as a second table, one row per holder.
-        """
+        """The listing as JSON or as a table; ``with_errors`` puts backends' errors first."""
         now = listing.taken_at
-        found = semaphores.semaphores if semaphores is not None else []
         if as_json:
-            objects = [holders.as_json(info, now) for info in listing.holders]
-            objects += [text for info in found for text in holders.semaphore_json(info, now)]
-            return "[" + ",".join(objects) + "]"
+            items = [holders.as_json(info, now) for info in listing.holders]
+            items += [holders.slot_as_json(slot, now) for slot in listing.slots]
+            return "[" + ",".join(items) + "]"
         lines = [
             self.style.ERROR(f"{alias}: {error}")
             for alias, error in (listing.errors.items() if with_errors else ())
         ]
-        if not listing.holders and not found:
+        if not listing.holders and not listing.slots:
             where = f" on backend {backend!r}" if backend else ""
             under = f" with names starting {prefix!r}" if prefix else ""
             return "\n".join([*lines, f"No locks held{where}{under}."])
@@ -206,18 +210,12 @@ class Command(BaseCommand):
                 (holders.columns(info, now) for info in listing.holders), holders.COLUMNS
             )
             lines += [self.style.MIGRATE_HEADING(header), *rows]
-        if found:
+        if listing.slots:
             header, *rows = holders.table(
-                (row for info in found for row in holders.semaphore_rows(info, now)),
-                holders.SEMAPHORE_COLUMNS,
+                (holders.slot_columns(slot, now) for slot in listing.slots), holders.SLOT_COLUMNS
             )
-            if listing.holders:
-                lines.append("")
-            lines += [
-                "Semaphores and read/write locks:",
-                self.style.MIGRATE_HEADING(header),
-                *rows,
-            ]
+            lines += [""] if listing.holders else []
+            lines += [self.style.MIGRATE_HEADING(header), *rows]
         return "\n".join(lines)
 
     def fail_for(self, listing: holders.Listing) -> None:
@@ -231,20 +229,14 @@ class Command(BaseCommand):
         try:
             while True:
                 listing = holders.current_holders(backend, prefix)
-                semaphores = holders.current_semaphores(backend, prefix)
-                listing.errors.update(semaphores.errors)
                 if as_json:
                     # One JSON document per refresh, each on one line (NDJSON).
                     for alias, error in listing.errors.items():
                         self.stderr.write(f"{alias}: {error}")
-                    self.stdout.write(
-                        self.render(listing, backend, prefix, True, semaphores=semaphores)
-                    )
+                    self.stdout.write(self.render(listing, backend, prefix, as_json=True))
                 else:
                     # On a screen that is redrawn, errors belong in the frame.
-                    frame = self.render(
-                        listing, backend, prefix, False, with_errors=True, semaphores=semaphores
-                    )
+                    frame = self.render(listing, backend, prefix, as_json=False, with_errors=True)
                     stamp = listing.taken_at.strftime("%Y-%m-%d %H:%M:%S UTC")
                     title = f"Every {interval:g}s: locks list" + "".join(
                         f" --{option} {value}"
@@ -262,44 +254,57 @@ class Command(BaseCommand):
     # --- show -----------------------------------------------------------------------
 
     def show_lock(self, name: str, backend: str | None, as_json: bool) -> None:
-        listing = holders.find_holders(name, backend)
-        semaphores = holders.find_semaphores(name, backend)
+        listing = holders.find_holders(name, backend, slots=True)
         now = listing.taken_at
         if as_json:
-            self.stdout.write(self.render(listing, backend, "", True, semaphores=semaphores))
-        elif semaphores.semaphores:
-            self.stdout.write(
-                self.render(holders.Listing(), backend, "", False, semaphores=semaphores)
-            )
+            self.stdout.write(self.render(listing, backend, "", as_json=True))
         for info in [] if as_json else listing.holders:
-            fields: list[tuple[str, str]] = [
-                ("backend", info.backend),
-                ("name", info.name),
-                ("token", str(info.token)),
-                ("acquired at", info.acquired_at.isoformat()),
-                ("held for", holders.duration(holders.held_for(info, now))),
-                ("expires at", _expires_at(info)),
-                ("expires in", holders.duration(info.expires_in)),
+            self.write_fields(_lease_fields(info, now))
+        for slot in [] if as_json else listing.slots:
+            sem = slot.semaphore
+            fields = [
+                ("backend", sem.backend),
+                ("name", sem.name),
+                ("kind", sem.kind),
+                ("limit", holders.limit_label(sem) or "-"),
+                ("mode", slot.mode or "- (no holder)"),
+                ("waiting", str(sem.waiting)),
+                ("parked", str(sem.parked)),
             ]
-            fields += [(f"holder.{key}", _text(value)) for key, value in info.holder.items()]
-            width = max(len(label) for label, _ in fields)
-            for label, value in fields:
-                self.stdout.write(
-                    f"{self.style.MIGRATE_LABEL(label.ljust(width))}  {holders.printable(value)}"
-                )
-            self.stdout.write("")
-        listing.errors.update(semaphores.errors)
+            if slot.lease is not None:
+                fields += _lease_fields(slot.lease, now)[2:]
+            self.write_fields(fields)
         self.fail_for(listing)
-        if not listing.holders and not semaphores.semaphores:
+        if not listing.holders and not listing.slots:
             raise CommandError(f"{name!r} is not held{_on(backend)}.", returncode=NOTHING_MATCHED)
+
+    def write_fields(self, fields: list[tuple[str, str]]) -> None:
+        width = max(len(label) for label, _ in fields)
+        for label, value in fields:
+            self.stdout.write(
+                f"{self.style.MIGRATE_LABEL(label.ljust(width))}  {holders.printable(value)}"
+            )
+        self.stdout.write("")
 
     # --- break ----------------------------------------------------------------------
 
     def break_locks(
-        self, name: str | None, backend: str | None, prefix: str | None, yes: bool
+        self,
+        name: str | None,
+        backend: str | None,
+        prefix: str | None,
+        yes: bool,
+        token: int | None = None,
+        all_slots: bool = False,
     ) -> None:
         if (name is None) == (prefix is None):
             raise CommandError("Give a lock NAME or --prefix PREFIX, not both.", returncode=USAGE)
+        if token is not None and name is None:
+            raise CommandError(
+                "--token needs a lock NAME: tokens count per name.", returncode=USAGE
+            )
+        if token is not None and all_slots:
+            raise CommandError("Give --token or --all-slots, not both.", returncode=USAGE)
         if prefix is not None and not yes:
             raise CommandError(
                 f"Breaking by --prefix needs --yes. `manage.py locks list --prefix {prefix}` "
@@ -307,23 +312,32 @@ class Command(BaseCommand):
                 returncode=USAGE,
             )
         if name is not None:
-            listing = holders.find_holders(name, backend)
+            listing = holders.find_holders(name, backend, slots=True)
         else:
             listing = holders.current_holders(backend, prefix or "")
         for alias, error in listing.errors.items():
             self.stderr.write(f"{alias}: {error}")
-        if not listing.holders:
+        # Rows with no holder (only waiters or parked calls) have no slot to free.
+        held = [slot for slot in listing.slots if slot.lease is not None]
+        left: list[holders.Slot] = []
+        if token is not None:
+            listing.holders = [info for info in listing.holders if info.token == token]
+            held = [slot for slot in held if slot.lease is not None and slot.lease.token == token]
+        elif not all_slots:
+            left, held = held, []
+        listing.slots = held
+        if not listing.holders and not listing.slots:
             self.fail_for(listing)
-            what = f"{name!r} is not" if name is not None else f"no name starting {prefix!r} is"
-            hint = ""
-            if name is not None and holders.find_semaphores(name, backend).semaphores:
-                hint = (
-                    f" {name!r} is a semaphore or read/write lock: free one slot with "
-                    "--slot TOKEN (`manage.py locks show NAME` lists them), or --all-slots."
-                )
+            if left:
+                raise CommandError(f"Nothing broken: {_slots_left(left)}", returncode=USAGE)
+            if token is not None:
+                what = f"{name!r} has no lease or slot with token {token}"
+            elif name is not None:
+                what = f"{name!r} is not held"
+            else:
+                what = f"no name starting {prefix!r} is held"
             raise CommandError(
-                f"Nothing broken: {what} held as a lock{_on(backend)}.{hint}",
-                returncode=NOTHING_MATCHED,
+                f"Nothing broken: {what}{_on(backend)}.", returncode=NOTHING_MATCHED
             )
         if not yes:
             self.stdout.write("About to break:")
@@ -347,64 +361,34 @@ class Command(BaseCommand):
                 self.stdout.write(
                     self.style.WARNING(f"Left {where}): released or taken again since listed.")
                 )
+        for slot in listing.slots:
+            lease = slot.lease
+            if lease is None:  # not kept above; for the type checker
+                continue
+            try:
+                done = holders.break_slot(slot)
+            except DLockError as e:
+                self.stderr.write(f"{lease.backend}: {e}")
+                listing.errors[lease.backend] = e
+                continue
+            where = (
+                f"{holders.slot_label(slot)} '{holders.printable(lease.name)}' "
+                f"on {lease.backend} (token {lease.token}"
+            )
+            if done:
+                broken += 1
+                label = holders.printable(holders.holder_label(lease.holder))
+                self.stdout.write(self.style.SUCCESS(f"Freed {where}, held by {label})."))
+            else:
+                self.stdout.write(
+                    self.style.WARNING(f"Left {where}): released or expired since listed.")
+                )
+        if left:
+            self.stdout.write(self.style.WARNING(f"Left alone: {_slots_left(left)}"))
         if broken == 0:
             self.fail_for(listing)
             raise CommandError("Nothing broken.", returncode=NOTHING_MATCHED)
         self.fail_for(listing)
-
-    def break_slots(
-        self, name: str | None, backend: str | None, token: int | None, yes: bool
-    ) -> None:
-        """Free one slot (``--slot TOKEN``) or every slot (``--all-slots``) of semaphore NAME."""
-        if name is None:
-            raise CommandError(
-                "--slot and --all-slots need the semaphore's NAME.", returncode=USAGE
-            )
-        listing = holders.find_semaphores(name, backend)
-        for alias, error in listing.errors.items():
-            self.stderr.write(f"{alias}: {error}")
-        chosen = [
-            (info, holder)
-            for info in listing.semaphores
-            for holder in info.holders
-            if token is None or holder.token == token
-        ]
-        if not chosen:
-            self.fail_for(listing)  # type: ignore[arg-type]
-            what = f"with token {token} " if token is not None else ""
-            raise CommandError(
-                f"Nothing broken: semaphore {name!r} has no slot {what}held{_on(backend)}.",
-                returncode=NOTHING_MATCHED,
-            )
-        if not yes:
-            self.stdout.write("About to free:")
-            rows = [holders.semaphore_rows(info, listing.taken_at) for info, _ in chosen]
-            header, *lines = holders.table(
-                (row for info_rows in rows for row in info_rows if row[5] in
-                 {str(h.token) for _, h in chosen}),
-                holders.SEMAPHORE_COLUMNS,
-            )  # fmt: skip
-            self.stdout.write("\n".join([header, *lines]))
-            if not self.confirm("Free these slots? Their holders will lose them. [y/N] "):
-                raise CommandError("Nothing broken.", returncode=NOTHING_MATCHED)
-        freed = 0
-        for info, holder in chosen:
-            try:
-                done = holders.break_slot(info, holder.token)
-            except DLockError as e:
-                self.stderr.write(f"{info.backend}: {e}")
-                continue
-            where = f"'{holders.printable(name)}' on {info.backend} (token {holder.token}"
-            if done:
-                freed += 1
-                label = holders.printable(holders.holder_label(holder.holder))
-                self.stdout.write(
-                    self.style.SUCCESS(f"Freed the slot of {where}, held by {label}).")
-                )
-            else:
-                self.stdout.write(self.style.WARNING(f"Left {where}): released since listed."))
-        if freed == 0:
-            raise CommandError("Nothing broken.", returncode=NOTHING_MATCHED)
 
     def confirm(self, question: str) -> bool:
         try:
@@ -505,12 +489,45 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _lease_fields(info: LockInfo, now: datetime) -> list[tuple[str, str]]:
+    """What ``show`` prints of a lease: backend and name first, then token, times, holder."""
+    fields = [
+        ("backend", info.backend),
+        ("name", info.name),
+        ("token", str(info.token)),
+        ("acquired at", info.acquired_at.isoformat()),
+        ("held for", holders.duration(holders.held_for(info, now))),
+        ("expires at", _expires_at(info)),
+        ("expires in", holders.duration(info.expires_in)),
+    ]
+    return fields + [(f"holder.{key}", _text(value)) for key, value in info.holder.items()]
+
+
 def _expires_at(info: Any) -> str:
     return info.expires_at.isoformat() if info.expires_in != float("inf") else "never"
 
 
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
+
+
+def _slots_left(left: list[holders.Slot]) -> str:
+    """Why the slots in ``left`` were not freed, and how to free them."""
+    names = sorted({(slot.semaphore.kind, slot.semaphore.name) for slot in left})
+    tokens = [str(slot.lease.token) for slot in left if slot.lease is not None]
+    shown = ", ".join(tokens[:5]) + (", ..." if len(tokens) > 5 else "")
+    if len(names) == 1:
+        kind, name = names[0]
+        kind = "read/write lock" if kind == "rwlock" else "semaphore"
+        what = f"{kind} '{holders.printable(name)}' has {len(left)} holder(s)"
+        how = f"manage.py locks break {shlex.quote(holders.printable(name))} --token {tokens[0]}"
+    else:
+        what = f"{len(names)} semaphores and read/write locks have {len(left)} holders"
+        how = "manage.py locks break NAME --token TOKEN"
+    return (
+        f"{what} (tokens {shown}). Breaking frees one holder's slot, chosen by its "
+        f"fencing token: `{how}`. --all-slots frees every one."
+    )
 
 
 def _on(backend: str | None) -> str:
