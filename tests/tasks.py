@@ -192,3 +192,15 @@ def _record_deferral(sender: Any, task_id: str, args: Any, kwargs: Any, **rest: 
 
 
 task_deferred.connect(_record_deferral, weak=False)
+
+
+@locked_task(key="limited1:{key}", backend="celery", limit=1, on_locked="defer", ttl=3, bind=True)
+def limited_one(self: Any, key: str, log: str, counter: str, hold: float = 0.2) -> int:
+    """As ``limited``, one at a time, with a short lease: for a worker killed mid-run."""
+    inside = _count(counter, 1)
+    try:
+        record(log, key=key, token=self.lock.token, task_id=self.request.id, inside=inside)
+        time.sleep(hold)
+    finally:
+        _count(counter, -1)
+    return inside

@@ -359,3 +359,49 @@ def test_limit_with_defer_runs_every_call_at_most_two_at_once(
     assert all(1 <= redis_worker.get(s, timeout=30) <= 2 for s in sent)
     assert locks["celery"].do_list_parked(key) == []
     print(f"\n20 calls, limit=2: {len(deferred)} parked, so {len(deferred)} extra broker messages")
+
+
+def test_parked_calls_survive_a_worker_killed_while_holding(
+    redis_servers: Any, log: str, tmp_path: Path
+) -> None:
+    """Calls parked in the lock service run after the worker is killed and another starts.
+
+    The holder's body dies with its worker (kill -9), so nobody releases its
+    slot and nobody pops a parked call. The new worker finds the slot held
+    (by a lease that runs out within its 3 s TTL), looks again when it ends,
+    and sends the parked calls on, one at a time.
+    """
+    broker = f"redis://127.0.0.1:{settings.REDIS_PORTS['single']}/1"
+    key = f"restart-{uuid.uuid4().hex[:6]}"
+    counter = str(tmp_path / "inside")
+    process, results = start_worker("restart-a", broker)
+    worker = Worker(process, broker, results)
+    try:
+        sent = [worker.send(tasks.limited_one, key, log, counter, 2.0) for _ in range(4)]
+        eventually(
+            lambda: (
+                len(locks["celery"].do_list_parked(f"limited1:{key}")) == 3
+                and len([e for e in tasks.read_log(log) if "inside" in e]) == 1
+            ),
+            30,
+            "one body running and three calls parked",
+        )
+    finally:
+        process.kill()
+    first = [e["task_id"] for e in tasks.read_log(log) if "inside" in e]
+    parked = {s.id for s in sent} - set(first)
+    Path(counter).write_text("0")  # the killed body never counted itself out
+    again = CeleryWorker("restart-b", broker, results, process.queue).start()
+    try:
+        eventually(
+            lambda: {e["task_id"] for e in tasks.read_log(log) if "inside" in e} >= parked,
+            60,
+            "the three parked calls ran under the new worker",
+        )
+    finally:
+        again.cleanup()
+        process.cleanup()
+    bodies = [e for e in tasks.read_log(log) if "inside" in e]
+    assert max(e["inside"] for e in bodies) == 1
+    assert len(bodies) == 4
+    assert locks["celery"].do_list_parked(f"limited1:{key}") == []
