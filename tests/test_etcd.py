@@ -25,8 +25,18 @@ from django.conf import settings
 from django.core import checks
 from django.test import override_settings
 
-from django_dlock import BackendUnavailable, HeldLock, LockNotOwned, LockTimeout, lock, locks
+from django_dlock import (
+    BackendUnavailable,
+    HeldLock,
+    LockLost,
+    LockNotOwned,
+    LockTimeout,
+    lock,
+    locks,
+    semaphore,
+)
 from django_dlock.backends.etcd import EtcdBackend
+from django_dlock.backends.slots import SlotView
 from django_dlock.checks import check_backends
 from django_dlock.exceptions import LockConfigurationError
 from tests.servers import (
@@ -662,3 +672,108 @@ def test_etcd_down_for_the_whole_timeout(
         backend.acquire(name, timeout=0)  # fail fast: one try
     assert time.monotonic() - started < 2.5
     assert "retried" not in str(excinfo.value)
+
+
+# --- semaphores and parked calls (issue 18) -------------------------------------------------
+
+
+def _slot_keys(endpoint: str, name: str) -> list[dict[str, Any]]:
+    return keys(endpoint, f"dlock-slots/{name}/")
+
+
+def test_semaphore_waiters_are_granted_in_arrival_order(single: EtcdServer, name: str) -> None:
+    """Three waiters queued one after another on a full semaphore enter in that order.
+
+    A backend that lets whoever retries first after a release in would let
+    them in in any order; the create-revision queue does not.
+    """
+    holder = semaphore(name, limit=1, backend="etcd", timeout=0).acquire()
+    entered: list[tuple[int, int]] = []
+
+    def wait(i: int) -> None:
+        with semaphore(name, limit=1, backend="etcd", timeout=30) as held:
+            entered.append((i, held.token))
+            time.sleep(0.05)
+
+    threads = []
+    for i in range(3):
+        threads.append(threading.Thread(target=wait, args=(i,)))
+        threads[-1].start()
+        wait_for(
+            lambda n=i + 2: len(_slot_keys(single.endpoint, name)) == n, 10, f"waiter {i} queued"
+        )
+    holder.release()
+    for t in threads:
+        t.join(30)
+    assert [i for i, _ in entered] == [0, 1, 2]
+    tokens = [holder.token] + [token for _, token in entered]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 4
+    assert _slot_keys(single.endpoint, name) == []
+
+
+def test_a_slot_is_freed_when_its_session_lease_is_revoked(
+    single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
+) -> None:
+    """A slot held with renew=True is on the process's session lease, as a mutex is.
+
+    Revoking that lease (what etcd does when the process stops renewing it)
+    frees the slot at once; the holder's ensure() says it is lost, and the
+    process takes slots again on a new session lease.
+    """
+    backend = make_backend(single.endpoint)
+    other = make_backend(single.endpoint, alias="other")
+    held = SlotView(backend, 1, 1).acquire(name, timeout=0)
+    mutex = backend.acquire(f"{name}:mutex")
+    [slot] = _slot_keys(single.endpoint, name)
+    assert slot["lease"] == keys(single.endpoint, f"dlock/{name}:mutex/")[0]["lease"]
+    assert etcdctl(single.endpoint, "lease", "revoke", f"{slot['lease']:x}").returncode == 0
+    with SlotView(other, 1, 1).acquire(name, timeout=10) as got:
+        assert got.token > held.token
+        with pytest.raises(LockLost):
+            held.ensure()
+        with pytest.raises(LockLost):
+            mutex.ensure()
+    with SlotView(backend, 1, 1).acquire(name, timeout=10) as again:
+        [slot2] = _slot_keys(single.endpoint, name)
+        assert slot2["lease"] != slot["lease"]
+        again.ensure()
+
+
+def test_a_slot_without_renewal_has_a_lease_of_its_own(
+    single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
+) -> None:
+    backend = make_backend(single.endpoint)
+    view = SlotView(backend, 2, 1)
+    renewed = view.acquire(name, timeout=0)
+    own = view.acquire(name, timeout=0, renew=False)
+    a, b = _slot_keys(single.endpoint, name)
+    assert a["lease"] != b["lease"]
+    own.release()
+    out = etcdctl(single.endpoint, "lease", "timetolive", f"{b['lease']:x}").stdout
+    assert "already expired" in out or "not found" in out, out
+    renewed.release()
+    assert _slot_keys(single.endpoint, name) == []
+
+
+def test_unpark_does_not_take_a_call_parked_again_meanwhile(
+    single: EtcdServer, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """t0 unpark reads the queue, t1 the call is parked again with a new payload,
+    t2 unpark deletes it: the new payload must not be lost with the old one."""
+    backend = locks["etcd"]
+    backend.do_park(name, "a", 10, "old")
+    read = backend._parked
+    raced: list[bool] = []
+
+    def racing(*args: Any) -> Any:
+        found = read(*args)
+        if not raced:
+            raced.append(True)
+            backend.do_park(name, "a", 10, "new")
+        return found
+
+    monkeypatch.setattr(backend, "_parked", racing)
+    taken = [p.payload for p in backend.do_unpark(name, 1)]
+    monkeypatch.undo()
+    left = [p.payload for p in backend.do_unpark(name, 5)]
+    assert raced and taken + left == ["new"]

@@ -17,7 +17,6 @@ import weakref
 from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
-from urllib.parse import unquote
 
 import grpc
 from django.core import checks
@@ -36,22 +35,15 @@ from .transport import (
     Transport,
     created_at,
     delete,
+    escape,
     get,
     leased_by,
     parse_location,
     put,
     range_end,
     txn,
+    unescape,
 )
-
-
-def _escape(name: str) -> bytes:
-    return name.replace("%", "%25").replace("/", "%2F").encode()
-
-
-def _unescape(part: bytes) -> str:
-    return unquote(part.decode(errors="replace"))
-
 
 _backends: weakref.WeakSet[EtcdBackend] = weakref.WeakSet()
 
@@ -202,7 +194,7 @@ class EtcdBackend(EtcdSlots, BaseLockBackend):
     # --- primitives -------------------------------------------------------------------
 
     def _base(self, name: str) -> bytes:
-        return self.root + _escape(name) + b"/"
+        return self.root + escape(name) + b"/"
 
     def _make_names(self, name: str) -> tuple[bytes, bytes, Any]:
         """``Pdlock/N/``, the end of its range, and the op that reads its two newest keys."""
@@ -531,7 +523,7 @@ class EtcdBackend(EtcdSlots, BaseLockBackend):
         return f"etcd {reply.version}", ()
 
     def do_list(self, prefix: str) -> list[LockInfo]:
-        start = self.root + _escape(prefix)
+        start = self.root + escape(prefix)
         reply = self._call(
             prefix or "*",
             "kv",
@@ -550,7 +542,7 @@ class EtcdBackend(EtcdSlots, BaseLockBackend):
         for base, kv in holders.items():
             if kv.lease not in ttls:
                 ttls[kv.lease] = self._remaining(prefix or "*", kv.lease)
-            info = self._info(_unescape(base[len(self.root) :]), kv, ttls[kv.lease], now)
+            info = self._info(unescape(base[len(self.root) :]), kv, ttls[kv.lease], now)
             if info is not None:
                 infos.append(info)
         return infos

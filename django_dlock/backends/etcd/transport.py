@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
+from urllib.parse import unquote
 
 import grpc
 from etcd3 import etcdrpc as rpc
@@ -275,6 +276,16 @@ class Transport:
 # --- requests -----------------------------------------------------------------------------
 
 
+def escape(name: str) -> bytes:
+    """A lock name as one key segment: ``%`` and ``/`` written ``%25`` and ``%2F``."""
+    return name.replace("%", "%25").replace("/", "%2F").encode()
+
+
+def unescape(part: bytes) -> str:
+    """The name :func:`escape` wrote as ``part``."""
+    return unquote(part.decode(errors="replace"))
+
+
 def range_end(prefix: bytes) -> bytes:
     """The first key after every key that starts with ``prefix``."""
     end = bytearray(prefix)
@@ -295,6 +306,13 @@ def created_at(key: bytes, revision: int) -> Any:
     """Compare: ``key``'s create revision is ``revision`` (0: the key does not exist)."""
     return rpc.Compare(
         key=key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL, create_revision=revision
+    )
+
+
+def modified_at(key: bytes, revision: int) -> Any:
+    """Compare: ``key`` was last written at ``revision``."""
+    return rpc.Compare(
+        key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL, mod_revision=revision
     )
 
 
