@@ -46,6 +46,10 @@ and lease L in hex::
 
 So ``etcdctl lock Pdlock/N`` and this backend exclude each other, and
 ``etcdctl get --prefix Pdlock/`` shows holders and waiters.
+
+Semaphores and read/write locks are the same queue with weights, under
+``Pdlock-slots/``, and parked Celery calls live under ``Pdlock-parked/``
+(``slots.py`` says how).
 """
 
 try:
