@@ -291,3 +291,33 @@ def test_a_writer_that_gives_up_lets_readers_in_at_once(
 def test_semaphores_take_no_release_on_commit(backend_alias: str, name: str) -> None:
     with pytest.raises(TypeError, match="release_on_commit"):
         semaphore(name, limit=2, backend=backend_alias, release_on_commit=True)  # type: ignore[call-arg]
+
+
+def test_a_cancelled_async_writer_stops_waiting_and_lets_readers_in(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    """Cancelling ``async with rwlock(...).write()`` is giving up: its waiter record goes.
+
+    Found by review: the acquisition ran on in a worker thread after its
+    caller was cancelled, refreshing its record, so new readers stayed out
+    until the readers inside left (and the thread stayed busy).
+    """
+    reader = rwlock(name, backend=backend_alias).read().acquire()
+
+    async def write() -> None:
+        async with rwlock(name, backend=backend_alias, timeout=None).write():
+            pass
+
+    async def main() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(write(), 0.5)
+
+    asyncio.run(main())
+    cancelled = time.monotonic()
+    # A wait under way ends within its bound (Redis 1 s, the database 0.1 s).
+    with rwlock(name, backend=backend_alias, timeout=5).read().acquire_handle():
+        waited = time.monotonic() - cancelled
+    assert waited < 2.5, f"a new reader waited {waited:.2f}s after the writer was cancelled"
+    (info,) = backend.semaphores(name)
+    assert info.waiting == 0
+    reader.release()

@@ -109,6 +109,12 @@ class Attempt:
         self.holder = holder
         self.renew = renew
         self.waits = 0
+        #: Set when an async caller whose acquisition runs in a worker thread
+        #: stops waiting: the loop gives up at its next step (after the wait
+        #: under way, which each backend bounds) and leaves any queue.
+        self.stopped = False
+        #: The event a wait under way blocks on, if it can be set to end it early.
+        self.waking: threading.Event | None = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} on {self.alias!r}>"
@@ -128,6 +134,21 @@ class Attempt:
 
     def abandon(self) -> None:
         """Leave whatever queue this attempt joined."""
+
+    def stop(self) -> None:
+        """Make the loop give up at its next step, cutting short a wait under way."""
+        self.stopped = True
+        self.interrupt()
+
+    def interrupt(self) -> None:
+        """Cut short the wait under way; the default sets ``waking`` if a wait set one.
+
+        A backend whose waits can be long (on a condition, on a watch) wakes
+        them here; the default backoff's sleeps are short enough to let run.
+        """
+        event = self.waking
+        if event is not None:
+            event.set()
 
     def release(self) -> bool:
         return self.backend.do_release(self.name, self.owner)
@@ -261,6 +282,15 @@ class Attempt:
         try:
             while True:
                 remaining = None if deadline is None else deadline - time.monotonic()
+                if self.stopped and (refused or failure):
+                    # Its async caller stopped waiting (cancelled): give up
+                    # now, leaving any queue, instead of waiting on in a thread.
+                    raise LockTimeout(
+                        f"Stopped acquiring lock {name!r} on backend {alias!r}: the caller "
+                        "stopped waiting.",
+                        name=name,
+                        backend=alias,
+                    )
                 if remaining is not None and remaining <= 0 and (refused or failure):
                     if failure is None:
                         raise LockTimeout(

@@ -481,14 +481,19 @@ class BaseLockBackend:
         renew: bool,
     ) -> HeldLock:
         """``aacquire()`` with its arguments validated."""
+        if ttl is None:
+            ttl = self.default_ttl
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = self.attempt(name, new_owner(), ttl, holder_metadata(ttl, metadata), renew)
         if not self.native_async:
-            # The whole acquisition in one worker thread: if the caller stops
-            # waiting, the thread's attempt finishes there, and whoever comes
-            # second (the thread or the caller) releases what it got.
+            # The whole acquisition in one worker thread. If the caller stops
+            # waiting, the attempt gives up at its next step (leaving any
+            # queue), and whoever comes second (the thread or the caller)
+            # releases what it got.
             handoff = Handoff()
 
             def acquire() -> HeldLock:
-                return handoff.deliver(self._acquire(name, ttl, timeout, metadata, renew))
+                return handoff.deliver(attempt.run(timeout, deadline))
 
             acquiring = asyncio.get_running_loop().run_in_executor(
                 None, functools.partial(contextvars.copy_context().run, acquire)
@@ -496,13 +501,10 @@ class BaseLockBackend:
             try:
                 return await asyncio.shield(acquiring)
             except asyncio.CancelledError:
+                attempt.stop()
                 release = handoff.abandon()
                 acquiring.add_done_callback(release_unwanted if release else retrieve_outcome)
                 raise
-        if ttl is None:
-            ttl = self.default_ttl
-        deadline = None if timeout is None else time.monotonic() + timeout
-        attempt = self.attempt(name, new_owner(), ttl, holder_metadata(ttl, metadata), renew)
         return await attempt.arun(timeout, deadline)
 
     def adopt(

@@ -66,13 +66,18 @@ class LocMemAttempt(Attempt):
 
     backend: LocMemBackend
 
+    def interrupt(self) -> None:
+        """Wake every waiter of the store (each re-checks): this one sees it stopped."""
+        with self.backend._store.cond:
+            self.backend._store.cond.notify_all()
+
     def wait(self, remaining: float | None) -> None:
         """Sleep until a release or break is signalled, or the holder's lease runs out."""
         backend = self.backend
         with backend._store.cond:
             now = time.monotonic()
             lease = backend._live(backend._key(self.name), now)
-            if lease is None:
+            if lease is None or self.stopped:
                 return
             until_expiry = lease.expires - now
             backend._store.cond.wait(
@@ -83,13 +88,19 @@ class LocMemAttempt(Attempt):
 class LocMemSlotAttempt(SlotAttempt):
     """Waits on the store's condition, until a holder's lease or a third of the TTL ends."""
 
+    def interrupt(self) -> None:
+        """Wake every waiter of the store (each re-checks): this one sees it stopped."""
+        cond = cast(LocMemBackend, self.backend.base)._store.cond
+        with cond:
+            cond.notify_all()
+
     def wait(self, remaining: float | None) -> None:
         backend = cast(LocMemBackend, self.backend.base)
         bound = self.ttl / 3 if remaining is None else min(remaining, self.ttl / 3)
         with backend._store.cond:
             now = time.monotonic()
             slots = backend._live_slots(backend._key(self.name), now)
-            if slots is None or not slots.holders:
+            if slots is None or not slots.holders or self.stopped:
                 return
             first_end = min(lease.expires for lease, _ in slots.holders.values())
             backend._store.cond.wait(max(0.0, min(bound, first_end - now)))

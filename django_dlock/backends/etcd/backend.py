@@ -336,9 +336,12 @@ class EtcdBackend(EtcdSlots, BaseLockBackend):
         if timeout > 0:
             watches = self.state.watches
             wake = watches.watch(ahead[0], ahead[1] + 1)
+            attempt.waking = wake.event  # stop() sets it
             try:
-                wake.event.wait(timeout)
+                if not attempt.stopped:
+                    wake.event.wait(timeout)
             finally:
+                attempt.waking = None
                 watches.cancel(wake)
         if lease.expires - time.monotonic() <= lease.ttl / 2:
             self.state.keepalive(attempt.name, lease)

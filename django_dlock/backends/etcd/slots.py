@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from etcd3 import etcdrpc as rpc
 
 from ...exceptions import BackendUnavailable
+from ..attempts import Attempt
 from ..base import (
     BaseLockBackend,
     Grant,
@@ -99,7 +100,7 @@ class EtcdSlotAttempt(SlotAttempt):
         timeout = bound if remaining is None else min(remaining, bound)
         if timeout > 0:
             slots: EtcdSlots = self.backend.base  # type: ignore[assignment]
-            slots.watch_slots(self.name, self.revision, timeout)
+            slots.watch_slots(self.name, self.revision, timeout, self)
 
 
 class EtcdSlots(BaseLockBackend):
@@ -255,14 +256,17 @@ class EtcdSlots(BaseLockBackend):
             return None, int(reply.header.revision)
         return self._granted(name, entry, ttl, started), 0
 
-    def watch_slots(self, name: str, revision: int, timeout: float) -> None:
-        """Wait for a delete under ``name``'s keys after ``revision``, or ``timeout``."""
+    def watch_slots(self, name: str, revision: int, timeout: float, attempt: Attempt) -> None:
+        """Wait for a delete under ``name``'s keys after ``revision``, ``timeout``, or a stop."""
         base = self._slots_base(name)
         watches = self.state.watches
         wake = watches.watch(base, revision + 1, range_end(base))
+        attempt.waking = wake.event
         try:
-            wake.event.wait(timeout)
+            if not attempt.stopped:
+                wake.event.wait(timeout)
         finally:
+            attempt.waking = None
             watches.cancel(wake)
 
     # --- the primitives -----------------------------------------------------------------
