@@ -2,7 +2,8 @@
 
 The parked calls live in the lock service (the backend's ``do_park`` queue of
 each key), so they outlive the worker that parked them. This module does not
-import Celery: ``app`` is the Celery app, used only for ``send_task``.
+import Celery (only kombu's JSON, which Celery's ``json`` serializer uses):
+``app`` is the Celery app, used only for ``send_task``.
 
 In run scope, a call that finds no free
 slot parks itself on the lock service (``do_park``: its task, arguments,
@@ -23,6 +24,8 @@ from __future__ import annotations
 import json
 import logging
 from typing import Any
+
+from kombu.utils import json as kombu_json
 
 from .handler import locks
 
@@ -46,22 +49,25 @@ def park_payload(
 ) -> str:
     """The JSON text that sends a parked call of ``task`` again, to where it was routed."""
     try:
-        return json.dumps(
-            {
-                "task": task,
-                "args": list(args),
-                "kwargs": dict(kwargs),
-                "exchange": delivery.get("exchange"),
-                "routing_key": delivery.get("routing_key"),
-                "priority": delivery.get("priority"),
-                "order": order,
-                "limit": limit,
-            }
+        return str(
+            kombu_json.dumps(  # type: ignore[no-untyped-call]
+                {
+                    "task": task,
+                    "args": list(args),
+                    "kwargs": dict(kwargs),
+                    "exchange": delivery.get("exchange"),
+                    "routing_key": delivery.get("routing_key"),
+                    "priority": delivery.get("priority"),
+                    "order": order,
+                    "limit": limit,
+                }
+            )
         )
     except (TypeError, ValueError) as e:
         raise TypeError(
             f"on_locked='defer' keeps the arguments of {task} as JSON in the lock "
-            f"service, and these are not JSON-serializable: {e}"
+            f"service (kombu's, as Celery's json serializer), and these are not "
+            f"JSON-serializable: {e}"
         ) from e
 
 
@@ -76,7 +82,7 @@ def send_parked(app: Any, alias: str, key: str, count: int) -> int:
     sent = 0
     for entry in parked:
         try:
-            data = json.loads(entry.payload)
+            data = kombu_json.loads(entry.payload)  # type: ignore[no-untyped-call]
             routing = {k: data[k] for k in ("exchange", "routing_key", "priority") if data.get(k)}
             app.send_task(
                 data["task"],

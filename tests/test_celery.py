@@ -402,3 +402,29 @@ def test_an_eager_call_cannot_be_deferred(eager: None, log: str) -> None:
         with pytest.raises(LockTimeout, match="cannot be deferred"):
             deferred.delay("k").get(disable_sync_subtasks=False)
     assert deferred.delay("k").get(disable_sync_subtasks=False) == "k"
+
+
+def test_a_parked_call_keeps_what_celerys_json_carries() -> None:
+    """Arguments Celery's json serializer accepts are parked, and come back as they were.
+
+    Found by review: plain json refused a datetime argument, so the call
+    failed instead of being parked.
+    """
+    import datetime
+    import decimal
+    import uuid as uuid_module
+
+    from kombu.utils.json import loads
+
+    from django_dlock.parking import park_payload
+
+    args = (
+        datetime.datetime(2026, 11, 23, 12, 0),
+        uuid_module.UUID(int=7),
+        decimal.Decimal("1.5"),
+    )
+    payload = park_payload("t", args, {"when": args[0]}, {}, 1, 2)
+    data = loads(payload)
+    assert tuple(data["args"]) == args and data["kwargs"] == {"when": args[0]}
+    with pytest.raises(TypeError, match="JSON"):
+        park_payload("t", (object(),), {}, {}, 1, None)

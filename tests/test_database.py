@@ -439,3 +439,25 @@ def test_two_unparks_never_take_the_same_task(backend_alias: str, name: str) -> 
     for t in threads:
         t.join(timeout=60)
     assert sorted(taken) == sorted(f"task-{n}" for n in range(60))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_a_slot_released_inside_atomic_after_a_write_keeps_the_work(name: str) -> None:
+    """``with atomic(): with semaphore(...): write`` on SQLite (Django's default settings).
+
+    Found by review: the release at the end of the block could not write
+    (the caller's transaction holds SQLite's write lock) and raised
+    LockInTransaction, which rolled the caller's work back. The release now
+    finishes as soon as the transaction ends.
+    """
+    from tests.models import Counter
+
+    with transaction.atomic():
+        with semaphore(name, limit=1, backend="db-sqlite", timeout=0):
+            Counter.objects.create(value=7)
+    assert Counter.objects.filter(value=7).exists()
+    deadline = time.monotonic() + 5
+    while locks["db-sqlite"].semaphores(name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with semaphore(name, limit=1, backend="db-sqlite", timeout=0):
+        pass

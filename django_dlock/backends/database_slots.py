@@ -23,7 +23,9 @@ Waiting backs off (2 ms doubling to 100 ms); waiters are not FIFO.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -37,6 +39,10 @@ from .sql import BINARY, SERVER_CLOCK, micros
 
 T = TypeVar("T")
 
+logger = logging.getLogger("django_dlock")
+
+#: How long a release that the caller's SQLite transaction holds up is retried, s.
+RELEASE_LATER_FOR = 600.0
 #: SQLite's busy timeout on the private connection used inside ``atomic()``, ms.
 PRIVATE_BUSY_TIMEOUT_MS = 200
 
@@ -240,7 +246,33 @@ class DatabaseSlots(BaseLockBackend):
         self._slot_rowcount(name, "leave", [self._key(name), owner])
 
     def do_release_slot(self, name: str, owner: str) -> bool:
-        return self._slot_rowcount(name, "release", [self._key(name), owner]) == 1
+        try:
+            return self._slot_rowcount(name, "release", [self._key(name), owner]) == 1
+        except LockInTransaction:
+            # SQLite, inside the caller's atomic() that has written: its
+            # transaction holds the write lock. Raising here would roll back
+            # the caller's work; the release is finished off this thread as
+            # soon as that transaction ends (or the lease runs out first).
+            self._release_later(name, owner, time.monotonic() + RELEASE_LATER_FOR)
+            return True
+
+    def _release_later(self, name: str, owner: str, until: float) -> None:
+        from ..watchdog import get_watchdog
+
+        watchdog = get_watchdog()
+
+        def attempt() -> None:
+            try:
+                self._slot_rowcount(name, "release", [self._key(name), owner])
+            except Exception:
+                if time.monotonic() < until:
+                    self._release_later(name, owner, until)
+                else:
+                    logger.warning("Gave up releasing the slot of %r on %r", name, self.alias)
+
+        watchdog.call_at(
+            time.monotonic() + 0.2, lambda: watchdog.renewer(self.alias).submit(attempt)
+        )
 
     def do_extend_slot(self, name: str, owner: str, ttl: float) -> bool:
         return self._slot_rowcount(name, "extend", [micros(ttl), self._key(name), owner]) == 1
