@@ -629,12 +629,22 @@ def test_exit_codes_of_the_process(redis_only: str, tmp_path: Path, name: str) -
     assert result.returncode == 3
 
 
+def _interruptible() -> None:
+    """In the child: Ctrl-C raises KeyboardInterrupt even if our runner ignores SIGINT.
+
+    A shell's background job starts with SIGINT ignored, and Python keeps an
+    ignored SIGINT ignored: the interrupt the test sends would do nothing.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _watch(redis_only: str, *args: str) -> list[str]:
     """Run ``locks --watch`` until it has printed some output, interrupt it, return its lines."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "django", "locks", *args],
         cwd=ROOT,
         env=_env("redis_only_settings", redis_only),
+        preexec_fn=_interruptible,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -683,6 +693,7 @@ def test_watch_on_a_terminal_redraws_in_place(redis_only: str, name: str) -> Non
             [sys.executable, "-m", "django", "locks", "--watch", "0.2", "--prefix", name],
             cwd=ROOT,
             env=_env("redis_only_settings", redis_only),
+            preexec_fn=_interruptible,
             stdout=secondary,
             stderr=subprocess.PIPE,
         )
