@@ -176,9 +176,13 @@ def _count(counter: str, step: int) -> int:
 @locked_task(key="limited:{key}", backend="celery", limit=2, on_locked="defer", ttl=30, bind=True)
 def limited(self: Any, key: str, log: str, counter: str, hold: float = 0.2) -> int:
     """The section counts the bodies inside it (across processes), and records the count."""
+    return _counted_body(self, key, log, counter, hold)
+
+
+def _counted_body(task: Any, key: str, log: str, counter: str, hold: float) -> int:
     inside = _count(counter, 1)
     try:
-        record(log, key=key, token=self.lock.token, task_id=self.request.id, inside=inside)
+        record(log, key=key, token=task.lock.token, task_id=task.request.id, inside=inside)
         time.sleep(hold)
     finally:
         _count(counter, -1)
@@ -197,10 +201,4 @@ task_deferred.connect(_record_deferral, weak=False)
 @locked_task(key="limited1:{key}", backend="celery", limit=1, on_locked="defer", ttl=3, bind=True)
 def limited_one(self: Any, key: str, log: str, counter: str, hold: float = 0.2) -> int:
     """As ``limited``, one at a time, with a short lease: for a worker killed mid-run."""
-    inside = _count(counter, 1)
-    try:
-        record(log, key=key, token=self.lock.token, task_id=self.request.id, inside=inside)
-        time.sleep(hold)
-    finally:
-        _count(counter, -1)
-    return inside
+    return _counted_body(self, key, log, counter, hold)
