@@ -135,7 +135,8 @@ class HeldLock:
     _renew_enabled: bool
     _fork_generation: int
     _forgotten: weakref.finalize[..., Any] | None
-    _renewing: bool
+    #: The watchdog's: a renewal is queued or under way.
+    renewing: bool
     #: The watchdog's: bumped whenever it (re)schedules or cancels this handle.
     watchdog_generation: int
     _expiry_cell: list[float]
@@ -180,7 +181,7 @@ class HeldLock:
         self._expires = expires - backend.drift(lease)
         self._renew_enabled = renew
         self._fork_generation = _fork_generation
-        self._renewing = False
+        self.renewing = False
         self.watchdog_generation = 0
         self._forgotten = None
         if renew and backend.supports_shared_leases:
@@ -235,6 +236,11 @@ class HeldLock:
         Local knowledge only; :meth:`ensure` asks the lock service.
         """
         return self._state == _LOST or (self._state == _HELD and self.expires_in <= 0)
+
+    @property
+    def expires_at(self) -> float:
+        """The ``time.monotonic()`` instant the lease runs out by our conservative estimate."""
+        return self._expires
 
     @property
     def expires_in(self) -> float:
@@ -455,56 +461,50 @@ class HeldLock:
             if isinstance(result, Exception):
                 logger.error("lock_lost receiver %r raised %r", receiver, result)
 
-    def on_watchdog(self) -> None:
-        """The watchdog thread's turn: hand a renewal to the backend's thread, or judge one.
+    # --- the watchdog's side: only ``watchdog.py`` calls these -----------------------
 
-        Only the watchdog calls this.
+    def on_watchdog(self, due: float) -> None:
+        """The watchdog thread's turn (the renewal was due at ``due``): queue a renewal.
 
-        It never waits on the lock service. When it sends a renewal it also
-        schedules this handle again for the moment the lease runs out; if the
-        renewal has not come back by then (a server that accepts and never
-        answers, a database busy with another process's write), the lease is
-        marked lost on time instead of whenever the call returns.
+        It never waits on the lock service: the backend's renewal thread
+        (``watchdog.Renewer``) sends it, in a batch, and marks the lease lost
+        if it runs out before its renewal comes back.
         """
-        if self._state != _HELD:
+        if self._state != _HELD or self.renewing:
             return
-        if self._renewing:
-            if self.expires_in <= 0:
-                self._mark_lost("its renewal did not come back before the lease ran out")
-            return
-        self._renewing = True
-        watchdog = get_watchdog()
-        watchdog.schedule(self, max(self.expires_in, 0.0))
-        watchdog.renewer(self.alias).submit(self._renew)
+        self.renewing = True
+        get_watchdog().renewer(self.alias).add(self, due)
 
-    def _renew(self) -> None:
-        """Run on the backend's renewal thread; never raises."""
-        try:
-            if self._state != _HELD:
-                return
-            sent = time.monotonic()
-            try:
-                renewed = self.backend.do_extend(self.name, self.owner, self.ttl)
-            except Exception as e:
-                self._renewing = False
-                remaining = self.expires_in
-                if remaining <= 0:
-                    self._mark_lost(f"renewal failed until the lease ran out: {e!r}")
-                    return
-                logger.warning(
-                    "Renewing lock %r on %r failed, retrying: %r", self.name, self.alias, e
-                )
-                if self._state == _HELD:
-                    delay = min(self.ttl * RETRY_FRACTION, remaining / 2, 1.0)
-                    get_watchdog().schedule(self, delay)
-                return
-            self._renewing = False
-            if not renewed:
-                self._mark_lost("renewal was refused: the lease expired or was broken")
-                return
+    def renewal_wanted(self) -> bool:
+        """Whether a queued renewal is still to be sent (False once released or lost)."""
+        if self._state == _HELD:
+            return True
+        self.renewing = False
+        return False
+
+    def renewal_lost(self, reason: str) -> None:
+        """The lease ran out before its renewal was sent, or came back."""
+        self.renewing = False
+        self._mark_lost(reason)
+
+    def renewal_done(self, sent: float, result: bool | Exception) -> Exception | None:
+        """What the renewal sent at ``sent`` returned; the error if it raised one."""
+        self.renewing = False
+        if self._state != _HELD:
+            return None
+        if isinstance(result, Exception):
+            remaining = self.expires_in
+            if remaining <= 0:
+                self._mark_lost(f"renewal failed until the lease ran out: {result!r}")
+            else:
+                delay = min(self.ttl * RETRY_FRACTION, remaining / 2, 1.0)
+                get_watchdog().schedule(self, delay)
+            return result
+        if not result:
+            self._mark_lost("renewal was refused: the lease expired or was broken")
+        else:
             self._renewed(sent, self.ttl)
-        finally:
-            self._renewing = False
+        return None
 
     def _renewed(self, sent: float, ttl: float) -> None:
         """The service granted ``ttl`` more seconds to a request sent at ``sent``."""

@@ -24,6 +24,14 @@ message was not sent), ``args`` and ``kwargs``.
 with ``on_locked="defer"`` was parked (its message is acknowledged; it will be
 sent again when a slot frees), with the same arguments as ``task_skipped``
 less ``scope``.
+
+``watchdog_lagging`` is sent once when a process's watchdog falls behind
+renewing the leases of one backend (renewals going out more than a sixth of
+their TTL late, or leases running out before their renewal could be sent),
+from its renewal thread, with ``sender`` = the backend class, ``backend``,
+``late`` (seconds), ``waiting`` (leases queued for renewal) and ``lost``
+(leases that ran out waiting so far). It is sent again only after a minute
+without a late renewal.
 """
 
 from __future__ import annotations
@@ -36,3 +44,4 @@ lock_lost = Signal()
 lock_broken = Signal()
 task_skipped = Signal()
 task_deferred = Signal()
+watchdog_lagging = Signal()

@@ -33,23 +33,44 @@ import itertools
 import logging
 import math
 import os
-import queue
+import socket
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from ._validation import holder_metadata, new_owner
+from .signals import watchdog_lagging
 
 if TYPE_CHECKING:
+    from .backends.base import BaseLockBackend
     from .handle import HeldLock
 
 logger = logging.getLogger("django_dlock")
 
-_Entry = tuple[float, int, "weakref.ref[HeldLock]", int]
+# (due, seq, handle, generation, early): due at ``due``; taken from ``early`` on
+# along with an entry that is due.
+_Entry = tuple[float, int, "weakref.ref[HeldLock]", int, float]
 
 #: Wake the thread to drop released entries once this many wait in the deque.
 DRAIN_AT = 4096
+#: A renewal may go this share of its delay early (at most EARLY_MAX seconds),
+#: so that renewals due close together go in one batch.
+EARLY_SHARE = 0.02
+EARLY_MAX = 0.25
+#: Most leases a renewal thread takes from its queue at a time (earliest-expiring first).
+ROUND = 2000
+#: A renewal sent more than this share of its TTL after it was due is late:
+#: the watchdog is lagging. Normally one is sent within milliseconds.
+LATE_SHARE = 1 / 6
+#: A lag episode ends after this many seconds without a late renewal.
+LAG_QUIET = 60.0
+#: Lock names under which a lagging process leaves a note for ``locks check``.
+LAG_PREFIX = "dlock:watchdog-lagging:"
+#: How long that note lasts, in seconds.
+LAG_NOTE_TTL = 600.0
 
 
 class Watchdog:
@@ -77,7 +98,10 @@ class Watchdog:
         """Renew ``held`` in ``delay`` seconds, replacing any earlier schedule."""
         held.watchdog_generation += 1
         due = time.monotonic() + delay
-        self._incoming.append((due, next(self._seq), weakref.ref(held), held.watchdog_generation))
+        early = due - min(delay * EARLY_SHARE, EARLY_MAX)
+        self._incoming.append(
+            (due, next(self._seq), weakref.ref(held), held.watchdog_generation, early)
+        )
         if self._thread is None:
             self._start()
         elif due < self._wake_at or len(self._incoming) > DRAIN_AT:
@@ -94,7 +118,7 @@ class Watchdog:
         self._timers.add(timer)
         timer.watchdog_generation += 1
         ref: weakref.ref[HeldLock] = weakref.ref(timer)  # type: ignore[arg-type]
-        self._incoming.append((due, next(self._seq), ref, timer.watchdog_generation))
+        self._incoming.append((due, next(self._seq), ref, timer.watchdog_generation, due))
         if self._thread is None:
             threading.Thread(target=self._start, daemon=True).start()
         elif self._cond.acquire(blocking=False):
@@ -135,7 +159,14 @@ class Watchdog:
     def thread(self) -> threading.Thread | None:
         return self._thread
 
-    def _next_due(self) -> HeldLock:
+    def _next_due(self) -> list[tuple[HeldLock, float]]:
+        """Wait for the next due entry; each live entry taken with it, and its due time.
+
+        With the first entry due, every entry whose ``early`` instant has come
+        is taken too: renewals due within the next fraction of a second go in
+        the same batch, and the thread wakes a few times a second, not once
+        a lease.
+        """
         with self._cond:
             while True:
                 # Sleep no later than the earliest due time among entries just
@@ -156,12 +187,17 @@ class Watchdog:
                 self._wake_at = wake_at
                 if self._incoming:
                     continue  # appended while we were draining
-                delay = wake_at - time.monotonic()
+                now = time.monotonic()
+                due: list[tuple[HeldLock, float]] = []
+                while self._heap and self._heap[0][4] <= now:
+                    entry = heapq.heappop(self._heap)
+                    held = entry[2]()
+                    if held is not None and held.watchdog_generation == entry[3]:
+                        due.append((held, entry[0]))
+                if due:
+                    return due
+                delay = wake_at - now
                 if delay <= 0:
-                    if self._heap and self._heap[0][0] <= wake_at:
-                        held = heapq.heappop(self._heap)[2]()
-                        if held is not None:
-                            return held
                     continue
                 # schedule() appends before it reads _wake_at, and notifies
                 # under this lock, so an entry due sooner cannot be missed.
@@ -172,14 +208,25 @@ class Watchdog:
         renewer = self._renewers.get(alias)
         if renewer is None:
             with self._cond:
-                renewer = self._renewers.setdefault(alias, Renewer(alias))
+                renewer = self._renewers.setdefault(alias, Renewer(self, alias))
         return renewer
+
+    def lagging(self) -> dict[str, float]:
+        """The backends whose renewals this process is late sending: alias -> seconds late."""
+        now = time.monotonic()
+        return {
+            alias: renewer.lag
+            for alias, renewer in list(self._renewers.items())
+            if renewer.lag is not None and now - renewer.last_late <= LAG_QUIET
+        }
 
     def _run(self) -> None:
         while True:
-            held = self._next_due()
-            held.on_watchdog()
+            for held, due in self._next_due():
+                held.on_watchdog(due)
             del held
+            for renewer in list(self._renewers.values()):
+                renewer.flush()
 
 
 class Renewer:
@@ -187,45 +234,262 @@ class Renewer:
 
     The watchdog thread only schedules; the calls to a lock service run here,
     so a slow or unreachable service delays only its own backend's renewals.
-    The thread ends after IDLE seconds without work and starts again on demand.
+    Due handles wait in a queue ordered by when their leases run out, and the
+    thread renews them in batches (``do_extend_many``, up to the backend's
+    ``renew_batch`` leases a call), earliest-expiring first: when renewals
+    come due faster than the service answers, the leases closest to their end
+    go first, and a lease that runs out before its turn is marked lost (and
+    costs no call), so that as few leases as possible are lost. A lease whose
+    renewal has not come back by the time it runs out (a server that accepts
+    and never answers) is marked lost then, from the watchdog's thread.
+
+    Sending renewals more than a sixth of their TTL late is a lag: it is
+    reported once per episode (:meth:`_report_lag`). The thread also runs
+    one-off work (:meth:`submit`), and ends after IDLE seconds without work.
     """
 
     IDLE = 30.0
 
-    def __init__(self, alias: str) -> None:
+    def __init__(self, watchdog: Watchdog, alias: str) -> None:
         self.alias = alias
-        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._mutex = threading.Lock()
+        self._watchdog = watchdog
+        self._cond = threading.Condition(threading.Lock())
+        self._work: deque[Callable[[], None]] = deque()
+        # Only the watchdog thread adds here; flush() moves them to _queue.
+        self._added: list[tuple[HeldLock, float]] = []
+        # (lease ends, seq, handle, renewal due): a heap, earliest end first.
+        self._queue: list[tuple[float, int, HeldLock, float]] = []
+        self._seq = itertools.count()
+        self._sending: list[HeldLock] = []
+        self._judge_at = math.inf
         self._thread: threading.Thread | None = None
+        #: Seconds late of the latest late renewal while lagging, else None.
+        self.lag: float | None = None
+        #: When the latest late renewal was sent (``time.monotonic()``).
+        self.last_late = -math.inf
+        self._note_owner: str | None = None
 
     def submit(self, work: Callable[[], None]) -> None:
-        self._queue.put(work)
-        # Under the mutex: the thread may be deciding to end because it was idle.
-        with self._mutex:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"django-dlock-renew-{self.alias}", daemon=True
-                )
-                self._thread.start()
+        """Run ``work`` on this thread (one-off calls to the service: a delayed release)."""
+        with self._cond:
+            self._work.append(work)
+            self._start()
+            self._cond.notify()
+
+    def add(self, held: HeldLock, due: float) -> None:
+        """Renew ``held`` (due at ``due``) at the next :meth:`flush`; watchdog thread only."""
+        self._added.append((held, due))
+
+    def flush(self) -> None:
+        """Queue what :meth:`add` collected and wake the thread; watchdog thread only."""
+        if not self._added:
+            return
+        added, self._added = self._added, []
+        with self._cond:
+            for held, due in added:
+                heapq.heappush(self._queue, (held.expires_at, next(self._seq), held, due))
+            self._start()
+            self._cond.notify()
+            self._judge_before(self._queue[0][0])
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"django-dlock-renew-{self.alias}", daemon=True
+            )
+            self._thread.start()
+
+    def _judge_before(self, expires: float) -> None:
+        """Have the watchdog judge the queue when a lease in it or in flight runs out."""
+        if expires < self._judge_at:
+            self._judge_at = expires
+            self._watchdog.call_at(expires, self._judge)
+
+    def _judge(self) -> None:
+        """On the watchdog's thread: mark lost the leases that ran out waiting or in flight."""
+        now = time.monotonic()
+        ran_out: list[HeldLock] = []
+        with self._cond:
+            self._judge_at = math.inf
+            while self._queue and self._queue[0][0] <= now:
+                ran_out.append(heapq.heappop(self._queue)[2])
+            next_end = self._queue[0][0] if self._queue else math.inf
+            for held in self._sending:
+                if held.expires_at <= now:
+                    ran_out.append(held)
+                elif held.renewing:
+                    next_end = min(next_end, held.expires_at)
+            if next_end < math.inf:
+                self._judge_before(next_end)
+        for held in ran_out:
+            held.renewal_lost("its renewal did not come back before the lease ran out")
 
     def _run(self) -> None:
         while True:
-            try:
-                work = self._queue.get(timeout=self.IDLE)
-            except queue.Empty:
-                with self._mutex:
-                    if self._queue.empty():
-                        self._thread = None
-                        _close_thread_connections()
-                        return
+            with self._cond:
+                while not self._work and not self._queue:
+                    if not self._cond.wait(self.IDLE) and not self._work and not self._queue:
+                        self._thread = None  # the next submit() or flush() starts another
+                        break
+                if self._thread is None:
+                    work = None
+                else:
+                    work = self._work.popleft() if self._work else None
+                    if work is None:
+                        batch, ran_out, late = self._take()
+            if self._thread is not threading.current_thread():
+                _close_thread_connections()
+                return
+            if work is not None:
+                _run_work(work, self.alias)
+                del work
                 continue
+            for held in ran_out:
+                held.renewal_lost(
+                    "its renewal could not be sent before the lease ran out "
+                    "(the watchdog fell behind)"
+                )
+            self._lag_state(late, len(ran_out), batch or ran_out)
             try:
-                work()
+                self._send(batch)
             except BaseException:
                 # Even SystemExit from a signal receiver: this thread serves
                 # every lease of the alias and must not end with work queued.
-                logger.exception("A renewal on %r failed", self.alias)
-            del work
+                logger.exception("Renewing leases on %r failed", self.alias)
+            with self._cond:
+                self._sending = []
+            del batch, ran_out
+
+    def _take(self) -> tuple[list[HeldLock], list[HeldLock], float]:
+        """Under the lock: the next round, earliest end first; those that ran out; lateness."""
+        now = time.monotonic()
+        batch: list[HeldLock] = []
+        ran_out: list[HeldLock] = []
+        late = 0.0
+        while self._queue and len(batch) < ROUND:
+            expires, _, held, due = heapq.heappop(self._queue)
+            if not held.renewal_wanted():
+                continue
+            if expires <= now:
+                ran_out.append(held)
+                continue
+            if now - due > held.ttl * LATE_SHARE:
+                late = max(late, now - due)
+            batch.append(held)
+        self._sending = batch
+        if batch:
+            self._judge_before(min(held.expires_at for held in batch))
+        return batch, ran_out, late
+
+    def _send(self, batch: list[HeldLock]) -> None:
+        groups: dict[Any, list[HeldLock]] = {}
+        for held in batch:
+            groups.setdefault(held.backend.renewal_key, []).append(held)
+        for group in groups.values():
+            backend = group[0].backend
+            size = max(1, backend.renew_batch)
+            for start in range(0, len(group), size):
+                chunk = group[start : start + size]
+                sent = time.monotonic()
+                leases = [(held.name, held.owner, held.ttl) for held in chunk]
+                try:
+                    results = backend.do_extend_many(leases)
+                except Exception as e:
+                    results = [e] * len(chunk)
+                failed = None
+                for held, result in zip(chunk, results, strict=True):
+                    if held.renewal_done(sent, result) is not None:
+                        failed = result
+                if failed is not None:
+                    logger.warning(
+                        "Renewing %d lease(s) on %r failed, retrying: %r",
+                        sum(isinstance(r, Exception) for r in results),
+                        self.alias,
+                        failed,
+                    )
+
+    def _lag_state(self, late: float, ran_out: int, sample: list[HeldLock]) -> None:
+        now = time.monotonic()
+        if late or ran_out:
+            self.last_late = now
+            if self.lag is None:
+                self.lag = late
+                self._report_lag(late, ran_out, sample[0])
+            else:
+                self.lag = max(self.lag, late)
+        elif self.lag is not None and now - self.last_late > LAG_QUIET and not self._queue:
+            self.lag = None
+            logger.info("The watchdog caught up with its renewals on %r", self.alias)
+
+    def _report_lag(self, late: float, ran_out: int, held: HeldLock) -> None:
+        """Once per episode: a log line, ``watchdog_lagging``, and a note for ``locks check``."""
+        waiting = len(self._queue)
+        # A semaphore's handle holds a view of the backend; the note is a plain lease.
+        backend = getattr(held.backend, "base", held.backend)
+        logger.warning(
+            "The django-dlock watchdog is falling behind on backend %r: renewals are "
+            "going out %.1f s late, %d lease(s) wait and %d ran out first. The leases "
+            "closest to their end are renewed first. Hold fewer leases per process, "
+            "or give them longer TTLs.",
+            self.alias,
+            late,
+            waiting,
+            ran_out,
+        )
+        for receiver, result in watchdog_lagging.send_robust(
+            sender=type(backend),
+            backend=self.alias,
+            late=late,
+            waiting=waiting,
+            lost=ran_out,
+        ):
+            if isinstance(result, Exception):
+                logger.error("watchdog_lagging receiver %r raised %r", receiver, result)
+        detail = {"late_s": round(late, 3), "waiting": waiting, "ran_out": ran_out}
+        threading.Thread(
+            target=self._leave_note, args=(backend, detail), name="django-dlock-lag", daemon=True
+        ).start()
+
+    def _leave_note(self, backend: Any, detail: dict[str, Any]) -> None:
+        """A lease named after this process, which ``locks check`` lists: it lagged."""
+        name = f"{LAG_PREFIX}{socket.gethostname()}:{os.getpid()}"
+        try:
+            if self._note_owner is not None:
+                backend.do_release(name, self._note_owner)
+            owner = new_owner()
+            holder = holder_metadata(LAG_NOTE_TTL, {"watchdog_lag": detail})[1]
+            if backend.do_acquire(name, owner, LAG_NOTE_TTL, holder, False) is not None:
+                self._note_owner = owner
+        except Exception:
+            logger.warning("Could not note the lag on %r", self.alias, exc_info=True)
+        finally:
+            _close_thread_connections()
+
+
+def lag_notes(backend: BaseLockBackend) -> list[str]:
+    """What ``locks check`` warns of: processes whose watchdog fell behind on ``backend``.
+
+    Each lagging process leaves a note (a lease under ``LAG_PREFIX``) that
+    lasts ``LAG_NOTE_TTL`` seconds.
+    """
+    notes = []
+    for info in backend.list(LAG_PREFIX):
+        holder = info.holder
+        lag = holder.get("watchdog_lag") or {}
+        notes.append(
+            f"the watchdog of process {holder.get('pid')} on {holder.get('host')} fell behind "
+            f"renewing leases at {holder.get('acquired_at')}: renewals went out "
+            f"{lag.get('late_s')} s late, {lag.get('waiting')} lease(s) waited and "
+            f"{lag.get('ran_out')} ran out first (noted for {LAG_NOTE_TTL / 60:g} minutes)"
+        )
+    return notes
+
+
+def _run_work(work: Callable[[], None], alias: str) -> None:
+    try:
+        work()
+    except BaseException:
+        logger.exception("A renewal on %r failed", alias)
 
 
 def _close_thread_connections() -> None:
@@ -246,7 +510,7 @@ class _Timer:
         self._action = action
         self.watchdog_generation = 0
 
-    def on_watchdog(self) -> None:
+    def on_watchdog(self, due: float) -> None:
         self._watchdog._timers.discard(self)
         try:
             self._action()

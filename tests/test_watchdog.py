@@ -41,14 +41,14 @@ def test_renewal_happens_at_a_third_of_the_ttl(
     backend_alias: str, backend: BaseLockBackend, name: str, monkeypatch: Any
 ) -> None:
     renewals: list[float] = []
-    original = type(backend).do_extend
+    original = type(backend).do_extend_many
 
-    def spy(self: BaseLockBackend, n: str, owner: str, ttl: float) -> bool:
-        if n == name:
+    def spy(self: BaseLockBackend, leases: Any) -> list[bool | Exception]:
+        if any(n == name for n, _, _ in leases):
             renewals.append(time.monotonic())
-        return original(self, n, owner, ttl)
+        return original(self, leases)
 
-    monkeypatch.setattr(type(backend), "do_extend", spy)
+    monkeypatch.setattr(type(backend), "do_extend_many", spy)
     with lock(name, backend=backend_alias, ttl=0.9):
         started = time.monotonic()
         time.sleep(1.5)

@@ -32,6 +32,9 @@ to ``do_acquire``; ``docs/development.md`` walks through writing one.
     The same, awaitable, for the async API. The defaults run the sync
     primitive in a worker thread; a backend that sets ``native_async`` talks
     to the service from the event loop (Redis on one server).
+``do_extend_many(leases)`` / ``do_extend_slots_many(leases)``
+    Renew up to ``renew_batch`` leases ``(name, owner, ttl)``; per lease, what
+    ``do_extend`` would return, or raise. Defaults: one lease at a time.
 ``do_ping()``
     One round trip to the service; return its name and version
     (``"Redis 7.0.15"``) and warnings about parts of it that did not answer
@@ -100,7 +103,7 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -137,7 +140,15 @@ from .attempts import (
     release_unwanted,
     retrieve_outcome,
 )
-from .types import Grant, LockInfo, ParkedTask, SemaphoreInfo, ServerStatus, SlotEntry
+from .types import (
+    Grant,
+    LockInfo,
+    ParkedTask,
+    SemaphoreInfo,
+    ServerStatus,
+    SlotEntry,
+    extend_each,
+)
 
 # What a backend module needs, from one place (docs/development.md).
 __all__ = [
@@ -200,6 +211,8 @@ class BaseLockBackend:
     supports_fair_semaphores: ClassVar[bool] = False
     #: What one acquisition of a semaphore makes (None: ``slots.SlotAttempt``).
     slot_attempt_class: ClassVar[type[Attempt] | None] = None
+    #: How many leases one ``do_extend_many`` call renews at most.
+    renew_batch: ClassVar[int] = 50
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
     allowed_options: ClassVar[frozenset[str]] = frozenset()
 
@@ -228,6 +241,8 @@ class BaseLockBackend:
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         self.alias = alias
+        # Handles whose keys are equal are renewed together (one do_extend_many).
+        self.renewal_key: Hashable = self
         # The dotted path as configured (``django_dlock.backends.etcd.EtcdBackend``),
         # not the module the class happens to be defined in.
         configured = params.get("BACKEND")
@@ -306,6 +321,14 @@ class BaseLockBackend:
 
     def do_check(self, name: str, owner: str) -> bool:
         raise NotImplementedError
+
+    def do_extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | Exception]:
+        return extend_each(self.do_extend, leases)
+
+    def do_extend_slots_many(
+        self, leases: Sequence[tuple[str, str, float]]
+    ) -> list[bool | Exception]:
+        return extend_each(self.do_extend_slot, leases)
 
     def do_break(self, name: str, token: int | None) -> bool:
         raise NotImplementedError

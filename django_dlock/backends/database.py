@@ -41,10 +41,11 @@ Waiting backs off exponentially with jitter (2 ms doubling to 100 ms).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -60,6 +61,7 @@ from ..exceptions import BackendUnavailable, LockConfigurationError, LockInTrans
 from .base import BaseLockBackend, LockInfo
 from .database_slots import DatabaseSlots
 from .sql import BINARY, SERVER_CLOCK, Busy, add_clock, micros
+from .types import extend_each
 
 T = TypeVar("T")
 
@@ -119,6 +121,8 @@ class _Statements:
     release: str
     adopt: str
     extend: str
+    extend_many: str
+    extended: str | None
     check: str
     break_: str
     break_token: str
@@ -206,6 +210,26 @@ def _statements(vendor: str, table: str) -> _Statements:
             f"UPDATE {table} SET expires_at_us = {now} + %s"
             f" WHERE digest = %s AND owner = %s AND expires_at_us > {now}"
         ),
+        # The watchdog's batched renewal: extend for n leases of the same ttl.
+        # {digests} is n "%s" and {pairs} n "(%s, %s)", joined by commas (the
+        # digest list lets the primary key find the rows).
+        # params: ttl (us), the n digests, then each lease's digest and owner
+        # returns: the (digest, owner) of each lease extended; on MySQL, which
+        #          has no UPDATE ... RETURNING, nothing: `extended` reads them.
+        extend_many=(
+            f"UPDATE {table} SET expires_at_us = {now} + %s WHERE expires_at_us > {now}"
+            " AND digest IN ({digests}) AND (digest, owner) IN ({pairs})"
+            + ("" if vendor == "mysql" else " RETURNING digest, owner")
+        ),
+        # MySQL, right after extend_many: its leases that are live are the ones
+        # it extended (a lease it did not extend had run out, or was another
+        # owner's). params: the n digests, then the pairs; returns: (digest, owner).
+        extended=(
+            f"SELECT digest, owner FROM {table} WHERE expires_at_us > {now}"
+            " AND digest IN ({digests}) AND (digest, owner) IN ({pairs})"
+            if vendor == "mysql"
+            else None
+        ),
         # params: digest, owner
         # returns: one row if owner holds a live lease, else none.
         check=(
@@ -242,6 +266,19 @@ def _statements(vendor: str, table: str) -> _Statements:
     )
 
 
+def _extend_rows(
+    ttl_us: int, pairs: list[tuple[str, str]], connection: Any, sql: _Statements, cursor: Any
+) -> set[tuple[str, str]]:
+    """Run ``extend_many`` for ``pairs`` (digest, owner); the pairs it extended."""
+    marks = {"digests": ", ".join(["%s"] * len(pairs))}
+    marks["pairs"] = ", ".join(["(%s, %s)"] * len(pairs))
+    params = [digest for digest, _ in pairs] + [value for pair in pairs for value in pair]
+    cursor.execute(sql.extend_many.format(**marks), [ttl_us, *params])
+    if sql.extended is not None:
+        cursor.execute(sql.extended.format(**marks), params)
+    return {(digest, owner) for digest, owner in cursor.fetchall()}
+
+
 class DatabaseBackend(DatabaseSlots, BaseLockBackend):
     """Leases in the ``django_dlock_lease`` table of a Django database.
 
@@ -250,6 +287,8 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
 
     allowed_options = frozenset({"database"})
     uses_django_connections = True
+    # 3 parameters a lease: under SQLite's old limit of 999 a statement.
+    renew_batch = 300
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         super().__init__(alias, params)
@@ -503,6 +542,28 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
 
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
         return self._rowcount(name, "extend", [micros(ttl), self._key(name), owner], owner)
+
+    def do_extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | Exception]:
+        results: list[bool | Exception] = [False] * len(leases)
+        by_ttl: dict[int, list[int]] = {}
+        for i, (_name, owner, ttl) in enumerate(leases):
+            if owner in self._bound:  # taken inside SQLite's atomic(): its own connection
+                results[i] = extend_each(self.do_extend, [leases[i]])[0]
+            else:
+                by_ttl.setdefault(micros(ttl), []).append(i)
+        for ttl_us, indexes in by_ttl.items():
+            pairs = [(self._key(leases[i][0]), leases[i][1]) for i in indexes]
+            try:
+                extended = self._retry_busy(
+                    leases[indexes[0]][0], functools.partial(_extend_rows, ttl_us, pairs)
+                )
+            except BackendUnavailable as e:
+                for i in indexes:
+                    results[i] = e
+                continue
+            for i, pair in zip(indexes, pairs, strict=True):
+                results[i] = pair in extended
+        return results
 
     def do_adopt(self, name: str, owner: str, new_owner: str, ttl: float, state: Any) -> bool:
         return self._rowcount(

@@ -16,6 +16,7 @@ watchdog, async) is the mutex's, unchanged.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .attempts import Attempt
@@ -78,6 +79,8 @@ class SlotView:
         self.attempt_class = backend.slot_attempt_class or SlotAttempt
         # An async acquisition runs the sync loop in a worker thread.
         self.native_async = False
+        # Every view's slots are renewed together, by do_extend_slots_many.
+        self.renewal_key = (backend, "slots")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.base, name)
@@ -119,6 +122,9 @@ class SlotView:
 
     def do_check(self, name: str, owner: str) -> bool:
         return self.base.do_check_slot(name, owner)
+
+    def do_extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | Exception]:
+        return self.base.do_extend_slots_many(leases)
 
     async def ado_release(self, name: str, owner: str) -> bool:
         import asyncio

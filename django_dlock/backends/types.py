@@ -1,7 +1,11 @@
-"""What backends return: a :class:`Grant`, a :class:`LockInfo`, a :class:`ServerStatus`."""
+"""What backends return: a :class:`Grant`, a :class:`LockInfo`, a :class:`ServerStatus`.
+
+And :func:`extend_each`, ``do_extend_many`` for a backend that renews one lease a call.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -103,3 +107,16 @@ class ParkedTask:
     key: str
     order: int
     payload: str
+
+
+def extend_each(
+    extend: Callable[[str, str, float], bool], leases: Sequence[tuple[str, str, float]]
+) -> list[bool | Exception]:
+    """``do_extend_many`` one lease at a time: what a backend without batches does."""
+    results: list[bool | Exception] = []
+    for name, owner, ttl in leases:
+        try:
+            results.append(extend(name, owner, ttl))
+        except Exception as e:
+            results.append(e)
+    return results

@@ -25,6 +25,7 @@ from etcd3 import etcdrpc as rpc
 from ..._validation import load_holder
 from ...exceptions import BackendUnavailable, LockNotOwned
 from ..base import Attempt, BaseLockBackend, Grant, LockInfo
+from .renewals import EtcdRenewals
 from .sessions import Entry, Lease, Sessions, lease_seconds
 from .slots import EtcdSlots
 from .transport import (
@@ -89,7 +90,7 @@ class EtcdAttempt(Attempt):
         self.backend._leave_queue(self.name, self.owner)
 
 
-class EtcdBackend(EtcdSlots, BaseLockBackend):
+class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
     """Locks in etcd v3; see the package docstring for the algorithm and key layout."""
 
     attempt_class = EtcdAttempt

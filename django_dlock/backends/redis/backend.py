@@ -31,6 +31,7 @@ from ..base import Attempt, Grant, LockInfo
 from .aio import AsyncNode
 from .connections import Node, as_bytes, redacted, server_version, text, transient
 from .listing import get_lease, list_node
+from .renewals import RedisRenewals
 from .scripts import ABANDON, ACQUIRE, EXTEND, RELEASE, WAITER_LEASE_MS
 from .semaphores import RedisSemaphores
 
@@ -98,10 +99,11 @@ def ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-class RedisBackend(RedisSemaphores):
+class RedisBackend(RedisRenewals, RedisSemaphores):
     """Leases in Redis; see the package docstring for the key layout and scripts.
 
-    Its semaphores, read/write locks and parked tasks are in ``semaphores.py``.
+    Its semaphores, read/write locks and parked tasks are in ``semaphores.py``;
+    the watchdog's batched renewals in ``renewals.py``.
     """
 
     supports_wakeups = True

@@ -23,7 +23,18 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .scripts import ABANDON, ACQUIRE, ADOPT, BREAK, EXTEND, GET, LIST, RELEASE, LuaScript
+from .scripts import (
+    ABANDON,
+    ACQUIRE,
+    ADOPT,
+    BREAK,
+    EXTEND,
+    EXTEND_MANY,
+    GET,
+    LIST,
+    RELEASE,
+    LuaScript,
+)
 
 #: Errors that say the server refused who we are or what we may do: acquire
 #: does not retry them (see BackendUnavailable.transient).
@@ -79,6 +90,7 @@ class Node:
         self.acquire = ACQUIRE
         self.release = RELEASE
         self.extend = EXTEND
+        self.extend_many = EXTEND_MANY
         self.adopt = ADOPT
         self.break_ = BREAK
         self.abandon = ABANDON

@@ -23,7 +23,7 @@ from django.core import checks
 from redis.exceptions import RedisError
 
 from ...exceptions import BackendUnavailable, LockConfigurationError
-from ..base import Grant, LockInfo
+from ..base import BaseLockBackend, Grant, LockInfo
 from .backend import RedisBackend
 from .connections import Node, server_version, text
 from .listing import list_node
@@ -142,6 +142,9 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
     # A semaphore's holders would be counted by each master on its own, and
     # no majority of such counts bounds the holders: no semaphores here.
     supports_semaphores = False
+    # One renewal a call, each on a majority of the masters.
+    renew_batch = BaseLockBackend.renew_batch
+    do_extend_many = BaseLockBackend.do_extend_many
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         super().__init__(alias, params)

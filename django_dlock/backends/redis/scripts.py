@@ -420,6 +420,26 @@ redis.call('pexpire', KEYS[1], ARGV[2])
 return 1
 """)
 
+# --- EXTEND_MANY: EXTEND for each lease of one shard, in one round trip -----------------
+# The watchdog's batched renewal. The keys share the shard's hash tag, so a
+# Cluster runs the script on the master of that slot.
+# KEYS[i] lock of lease i; ARGV[2i - 1] its owner token, ARGV[2i] its ttl ms
+# Returns a list: at i, 1 if ARGV[2i - 1] held KEYS[i] (extended), else 0.
+EXTEND_MANY = LuaScript("""
+local out = {}
+for i, key in ipairs(KEYS) do
+    local owner = ARGV[2 * i - 1]
+    local value = redis.call('get', key)
+    if value and string.sub(value, 1, #owner + 1) == owner .. ':' then
+        redis.call('pexpire', key, ARGV[2 * i])
+        out[i] = 1
+    else
+        out[i] = 0
+    end
+end
+return out
+""")
+
 # --- ADOPT: move a handed-over lease from the ticket's owner to the adopter -------------
 # The lease keeps its token and runs ARGV[3] ms from now. Once moved, the
 # ticket's owner no longer matches, so a second adoption is refused; a retry
@@ -496,6 +516,7 @@ ALL = {
     "BREAK": BREAK,
     "ABANDON": ABANDON,
     "EXTEND": EXTEND,
+    "EXTEND_MANY": EXTEND_MANY,
     "ADOPT": ADOPT,
     "GET": GET,
     "LIST": LIST,

@@ -30,6 +30,7 @@ from ...backends.types import LockInfo
 from ...checks import check_backends
 from ...exceptions import DLockError, LockConfigurationError
 from ...handler import locks
+from ...watchdog import lag_notes
 
 NOTHING_MATCHED = 1
 USAGE = 2
@@ -423,6 +424,10 @@ class Command(BaseCommand):
                     latency_ms=round(status.latency * 1000, 3),
                     warnings=list(status.warnings),
                 )
+                try:
+                    result["warnings"] += lag_notes(backend_obj)
+                except DLockError as e:
+                    result["warnings"].append(f"could not read the watchdogs' lag notes: {e}")
             results.append(result)
         if as_json:
             self.stdout.write(json.dumps(results))
