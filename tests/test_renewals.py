@@ -92,9 +92,7 @@ def test_redis_renews_a_batch_in_one_call_per_shard(
 
 
 @pytest.mark.backends("db-sqlite", "db-postgresql", "db-mysql")
-def test_database_renews_a_batch_in_one_statement(
-    backend: BaseLockBackend, name: str
-) -> None:
+def test_database_renews_a_batch_in_one_statement(backend: BaseLockBackend, name: str) -> None:
     """300 renewals of one TTL: one UPDATE (MySQL: and one SELECT), not 300."""
     from django.db import connections
     from django.test.utils import CaptureQueriesContext
