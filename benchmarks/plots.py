@@ -10,7 +10,10 @@ redis_locks.py and etcd_locks.py with --json) and writes:
 - bench-wait.png: wait from asking to being granted under contention
   (p50, mean, p99, max) for 16 Redis processes at each hold time;
 - bench-owner-changes.png: owner changes per 1,000 acquisitions under
-  contention, which show how often the lock changed hands (fairness).
+  contention, which show how often the lock changed hands (fairness);
+- bench-watchdog.png: from watchdog.json and watchdog_before.json (written by
+  watchdog.py with --json, after and before batched renewals), the leases one
+  process kept and the CPU it used.
 """
 
 from __future__ import annotations
@@ -109,6 +112,39 @@ def owner_changes(redis: dict[str, Any]) -> Path:
     return _save(fig, "bench-owner-changes.png")
 
 
+def watchdog(before: dict[str, Any], after: dict[str, Any]) -> Path:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), width_ratios=[6, 3])
+    cases = ["keep", "overload_ttl2", "overload_ttl5"]
+    labels = [f"{after[c]['leases']:,} at ttl {after[c]['ttl']:g} s" for c in cases]
+    width = 0.38
+    for offset, (label, data, color) in enumerate(
+        (("before (one call a lease)", before, "#888"), ("after (batched)", after, "#3b6ea5"))
+    ):
+        kept = [100 * data[c]["on_server"] / data[c]["leases"] for c in cases]
+        xs = [x + offset * width for x in range(len(cases))]
+        left.bar(xs, kept, width, label=label, color=color)
+        for x, value in zip(xs, kept, strict=True):
+            left.text(x, value, f"{value:.0f}%", ha="center", va="bottom", fontsize=8)
+    left.set_xticks([x + width / 2 for x in range(len(cases))], labels)
+    left.set_ylabel("leases kept, % (higher is better)")
+    left.set_ylim(0, 115)
+    left.legend(fontsize=8, loc="lower left")
+    left.set_title("Leases one process kept through 60 s")
+    names = ["floor", "before", "after"]
+    cpu = [100 * after["floor"]["cpu"], 100 * before["keep"]["cpu"], 100 * after["keep"]["cpu"]]
+    right.barh(names, cpu, color=["#888", "#bbb", "#3b6ea5"])
+    right.invert_yaxis()
+    right.axvline(25, color="#a33", linewidth=0.8, linestyle="--")
+    for y, value in enumerate(cpu):
+        right.text(value, y, f" {value:.1f}%", va="center", fontsize=9)
+    right.set_xlim(0, max(max(cpu), 25) * 1.3)
+    right.set_title("CPU, % of a core (target: under 25)")
+    keep = after["keep"]
+    fig.suptitle(f"{keep['leases']:,} Redis leases at ttl {keep['ttl']:g} s in one process")
+    fig.tight_layout()
+    return _save(fig, "bench-watchdog.png")
+
+
 def _save(fig: Any, name: str) -> Path:
     path = OUT / name
     fig.savefig(path, dpi=110)
@@ -120,6 +156,7 @@ def main() -> None:
     redis, etcd = _load("redis_locks.json"), _load("etcd_locks.json")
     for path in (uncontended(redis, etcd), waits(redis), owner_changes(redis)):
         print(path.relative_to(ROOT))
+    print(watchdog(_load("watchdog_before.json"), _load("watchdog.json")).relative_to(ROOT))
 
 
 if __name__ == "__main__":
