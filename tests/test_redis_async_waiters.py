@@ -13,13 +13,16 @@ from typing import Any
 
 import pytest
 import redis
+from django.test import override_settings
 
 from django_dlock import lock, locks
 from django_dlock.backends.redis import WAITER_LEASE_MS, RedisBackend
+from tests.servers import RedisServer, free_port
 
 pytestmark = pytest.mark.usefixtures("redis_servers")
 
 ALIAS = "redis-fair"
+REDIS = "django_dlock.backends.redis.RedisBackend"
 
 
 def _queue_key(name: str) -> str:
@@ -153,3 +156,50 @@ def test_async_waiters_take_over_from_a_holder_that_never_releases(name: str) ->
     arrival = asyncio.run(run())
     assert served.order == arrival
     assert served.tokens[0] > abandoned.token
+
+
+def test_queued_async_waiters_ride_out_a_restart(name: str) -> None:
+    """The server restarts (losing the queue and the lease) under 20 queued async waiters.
+
+    The subscription fails, every waiter is woken and retries in its own
+    loop; once the server is back they queue again, the subscription is made
+    again, and each is served once.
+    """
+    server = RedisServer(free_port()).start()
+    setting = {"default": {"BACKEND": REDIS, "LOCATION": server.url, "OPTIONS": {"fair": True}}}
+    order: list[str] = []
+    inside = [0, 0]  # now, overlaps
+
+    async def waiter() -> None:
+        async with lock(name, timeout=30) as held:
+            inside[0] += 1
+            inside[1] += inside[0] > 1
+            order.append(held.owner)
+            await asyncio.sleep(0)
+            inside[0] -= 1
+
+    async def run() -> None:
+        client = redis.asyncio.Redis.from_url(server.url)
+        holder = await lock(name, renew=False).aacquire()
+        tasks = [asyncio.create_task(waiter()) for _ in range(20)]
+        started = time.monotonic()
+        backend = locks["default"]
+        assert isinstance(backend, RedisBackend)
+        while await client.llen(backend._keys(name).queue) < 20:
+            assert time.monotonic() - started < 30, "the waiters did not queue"
+            await asyncio.sleep(0.05)
+        await client.aclose()
+        server.stop()
+        await asyncio.sleep(1.0)
+        server.start()
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        await holder.arelease_quietly()  # its lease went with the restart
+
+    try:
+        with override_settings(DLOCK_BACKENDS=setting):
+            asyncio.run(run())
+            locks["default"].close()
+    finally:
+        server.cleanup()
+    assert len(order) == len(set(order)) == 20
+    assert inside[1] == 0
