@@ -615,7 +615,10 @@ class RedisBackend(RedisSemaphores):
             timeout = plan[1]
             if waiter is None:
                 waiter = attempt.waiter = self._notifier().register(attempt.name, attempt.owner)
-        await self._notifier().wait(waiter, timeout)
+        try:
+            await self._notifier().wait(waiter, timeout)
+        except RedisError as e:  # subscribing failed
+            raise self._unavailable(attempt.name, e, self.nodes[0]) from e
         signal, waiter.signal = waiter.signal, None
         if signal is not None and attempt.queued_at is not None:
             attempt.handed = handed_over(attempt.queued_at, signal)
