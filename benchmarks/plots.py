@@ -14,6 +14,9 @@ redis_locks.py and etcd_locks.py with --json) and writes:
 - bench-watchdog.png: from watchdog.json and watchdog_before.json (written by
   watchdog.py with --json, after and before batched renewals), the leases one
   process kept and the CPU it used.
+- bench-async-waiters.png: 10,000 asyncio waiters on one lock in one
+  process (benchmarks/results/async_waiters.json, from async_waiters.py):
+  wall and CPU time, memory and Redis commands per waiter.
 """
 
 from __future__ import annotations
@@ -145,6 +148,38 @@ def watchdog(before: dict[str, Any], after: dict[str, Any]) -> Path:
     return _save(fig, "bench-watchdog.png")
 
 
+def async_waiters(data: dict[str, Any]) -> Path:
+    runs = data["runs"]
+    names = [
+        r["impl"] if r["finished"] else f"{r['impl']}\n(stopped: {r['served']:,} served)"
+        for r in runs
+    ]
+    panels = [
+        ("wall time, s (log)", [r["wall_s"] for r in runs], True),
+        ("CPU time of the process, s (log)", [r["cpu_s"] for r in runs], True),
+        ("RSS growth per waiter, KiB", [
+            (r["rss_peak_kib"] - r["rss_before_kib"]) / r["waiters"] for r in runs
+        ], False),
+        ("Redis commands per waiter", [r["redis_commands_per_waiter"] for r in runs], False),
+    ]  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.4), sharey=True)
+    for axis, (title, values, log) in zip(axes, panels, strict=True):
+        colors = ["#888" if n == "asyncio.Lock" else "#3b6ea5" for n in names]
+        axis.barh(names, values, color=colors)
+        if log:
+            axis.set_xscale("log")
+        axis.set_title(title, fontsize=10)
+        for y, value in enumerate(values):
+            axis.text(value, y, f" {value:,.2f}", va="center", fontsize=8)
+        axis.set_xlim(right=max(values) * (8 if log else 1.45))
+    axes[0].invert_yaxis()
+    fig.suptitle(
+        f"{runs[0]['waiters']:,} asyncio waiters on one lock, one process (lower is better)"
+    )
+    fig.tight_layout()
+    return _save(fig, "bench-async-waiters.png")
+
+
 def _save(fig: Any, name: str) -> Path:
     path = OUT / name
     fig.savefig(path, dpi=110)
@@ -154,9 +189,15 @@ def _save(fig: Any, name: str) -> Path:
 
 def main() -> None:
     redis, etcd = _load("redis_locks.json"), _load("etcd_locks.json")
-    for path in (uncontended(redis, etcd), waits(redis), owner_changes(redis)):
+    waiters = _load("async_waiters.json")
+    for path in (
+        uncontended(redis, etcd),
+        waits(redis),
+        owner_changes(redis),
+        async_waiters(waiters),
+        watchdog(_load("watchdog_before.json"), _load("watchdog.json")),
+    ):
         print(path.relative_to(ROOT))
-    print(watchdog(_load("watchdog_before.json"), _load("watchdog.json")).relative_to(ROOT))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@ microsecond was issued for a name on average.
 
 Modules: ``scripts`` (the Lua scripts), ``connections`` (a server's
 connections), ``listing`` (reading leases back), ``aio`` (the asyncio path),
-``backend`` (RedisBackend), ``redlock`` (RedlockBackend), ``semaphores`` and
+``waiters`` (the asyncio waiters' shared subscription and keeper), ``backend``
+(RedisBackend), ``redlock`` (RedlockBackend), ``semaphores`` and
 ``slot_scripts`` (semaphores, read/write locks and parked tasks).
 """
 

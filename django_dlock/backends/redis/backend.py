@@ -32,8 +32,9 @@ from .aio import AsyncNode
 from .connections import Node, as_bytes, redacted, server_version, text, transient
 from .listing import get_lease, list_node
 from .renewals import RedisRenewals
-from .scripts import ABANDON, ACQUIRE, EXTEND, RELEASE, WAITER_LEASE_MS
+from .scripts import ABANDON, ACQUIRE, EXTEND, KEEP, RELEASE, WAITER_LEASE_MS
 from .semaphores import RedisSemaphores
+from .waiters import SELF_CHECK, Waiter, handed_over, take_handed
 
 #: Longest single blocking wait; waiters re-check at least this often.
 WAIT_CAP = 1.0
@@ -61,6 +62,8 @@ class RedisAttempt(Attempt):
     queued_at: tuple[float, int] | None = None
     #: A lease the previous holder handed over, seen by wait().
     handed: Grant | None = None
+    #: What the event loop's notifier knows of it (native async; waiters.py).
+    waiter: Waiter | None = None
 
     def try_acquire(self) -> int | Grant | None:
         return self.backend._try_acquire(self)
@@ -397,7 +400,7 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
         return self._try_acquire(self.attempt(name, owner, ttl, ({}, holder), renew))
 
     def _try_acquire(self, attempt: Any) -> int | Grant | None:
-        handed = self._take_handed(attempt)
+        handed = take_handed(attempt)
         if handed is not None:
             return handed  # wait() saw the previous holder hand the lock over
         call = self._acquire_call(attempt)
@@ -520,29 +523,10 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
         return k.wake, timeout
 
     @staticmethod
-    def _take_handed(attempt: RedisAttempt) -> Grant | None:
-        """The lease ``wait()`` saw handed to ``owner``, if most of it is left.
-
-        Its lease counts from when it was handed over, not from now: a
-        waiter that was slow to see it (paused, stopped with SIGSTOP) may
-        find it gone, or about to go, and handed to the next waiter. Then
-        the attempt asks the server instead, which answers with the lease
-        left if it is still ours, and queues it again if it is not.
-        """
-        if attempt.handed is None:
-            return None
-        handed, attempt.handed = attempt.handed, None
-        left = handed.expires - time.monotonic()
-        if left <= handed.lease / 2:
-            return None
-        # The watchdog's first renewal comes at a third of what is left.
-        return Grant(handed.token, handed.expires, left)
-
-    @staticmethod
     def _woken(attempt: RedisAttempt, popped: Any) -> None:
         """A BLPOP returned: in fair mode, what it popped is the hand-over."""
         if popped and attempt.queued_at is not None:
-            attempt.handed = _handed_over(attempt.queued_at, text(popped[1]))
+            attempt.handed = handed_over(attempt.queued_at, text(popped[1]))
 
     # --- native async (single server; aio.py) -----------------------------------------
 
@@ -554,13 +538,40 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
             raise self._unavailable(name, e, self.nodes[0]) from e
 
     async def _atry_acquire(self, attempt: RedisAttempt) -> int | Grant | None:
-        handed = self._take_handed(attempt)
+        handed = take_handed(attempt)
         if handed is not None:
+            self._aforget(attempt)
             return handed
         keys, args = self._acquire_args(attempt)
-        sent = time.monotonic()
-        reply = await self._arun(attempt.name, lambda a: a.run(ACQUIRE, keys, args))
-        return self._outcome(reply, attempt, sent)
+        queues = args[6] == "1"
+        waiter = attempt.waiter
+        if waiter is None and queues:
+            # Before it is sent: a hand-over may be published before its reply.
+            waiter = attempt.waiter = self._notifier().register(attempt.name, attempt.owner)
+        elif waiter is not None:
+            waiter.sent = time.monotonic()
+        sent, reply = await self._arun(attempt.name, lambda a: a.run_timed(ACQUIRE, keys, args))
+        result = self._outcome(reply, attempt, sent)
+        if result is not None:
+            self._aforget(attempt)
+        elif waiter is not None:
+            waiter.queued = queues
+        return result
+
+    def _notifier(self) -> Any:
+        return self._anode.notifier(lambda name: self._keys(name).wake, self._akeep)
+
+    def _aforget(self, attempt: RedisAttempt) -> None:
+        waiter, attempt.waiter = attempt.waiter, None
+        if waiter is not None:
+            self._notifier().unregister(waiter)
+
+    async def _akeep(self, name: str, owners: list[str]) -> tuple[int, list[str]]:
+        """KEEP for ``owners`` queued on ``name``: (the lock's PTTL, those no longer queued)."""
+        k = self._keys(name)
+        keys = [k.lock, k.queue, k.queue_deadlines, k.queue_info]
+        reply = await self._arun(name, lambda a: a.run(KEEP, keys, [WAITER_LEASE_MS, *owners]))
+        return int(reply[0]), [text(owner) for owner in reply[1:]]
 
     async def ado_release(self, name: str, owner: str) -> bool:
         if not self.native_async:
@@ -582,18 +593,37 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
         return as_bytes(value or b"").startswith(f"{owner}:".encode())
 
     async def _aabandon(self, attempt: RedisAttempt) -> None:
+        self._aforget(attempt)
         plan = self._abandon_plan(attempt)
         if plan is not None:
             keys, args = plan
             await self._arun(attempt.name, lambda a: a.run(ABANDON, keys, args))
 
     async def _ablock(self, attempt: RedisAttempt, remaining: float | None) -> None:
-        plan = self._wait_plan(attempt, remaining)
-        if plan is None:
-            return
-        key, timeout = plan
-        popped = await self._arun(attempt.name, lambda a: a.blpop(key, round(timeout, 3)))
-        self._woken(attempt, popped)
+        """Wait on the event loop's notifier (waiters.py), holding no connection.
+
+        A queued waiter waits to be handed the lock, the notifier's keeper
+        refreshing its place; any other waits as long as ``_block`` would.
+        """
+        waiter = attempt.waiter
+        if waiter is not None and waiter.queued:
+            timeout = SELF_CHECK if remaining is None else min(remaining, SELF_CHECK)
+            if timeout < 0.001:
+                return
+        else:
+            plan = self._wait_plan(attempt, remaining)
+            if plan is None:
+                return
+            timeout = plan[1]
+            if waiter is None:
+                waiter = attempt.waiter = self._notifier().register(attempt.name, attempt.owner)
+        try:
+            await self._notifier().wait(waiter, timeout)
+        except RedisError as e:  # subscribing failed
+            raise self._unavailable(attempt.name, e, self.nodes[0]) from e
+        signal, waiter.signal = waiter.signal, None
+        if signal is not None and attempt.queued_at is not None:
+            attempt.handed = handed_over(attempt.queued_at, signal)
 
 
 def _several(location: Any) -> bool:
@@ -617,15 +647,3 @@ def _reset_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
-
-
-def _handed_over(queued_at: tuple[float, int], signal: str) -> Grant:
-    """The lease in a hand-over signal "token:granted_us:lease_ms", on our clock."""
-    token, granted_us, lease_ms = (int(part) for part in signal.split(":"))
-    sent, server_us = queued_at
-    # The refused attempt that queued us was answered at server time server_us,
-    # at a moment of ours no earlier than `sent`; the grant came granted_us -
-    # server_us later on the server's clock, so no earlier than this:
-    granted = sent + (granted_us - server_us) / 1_000_000
-    lease = lease_ms / 1000
-    return Grant(token, granted + lease, lease)

@@ -27,6 +27,11 @@ list as "token:granted_us:lease_ms". Without the queue (the unfair fast path)
 a refused caller sets the "someone waits" flag and a release pushes one
 element to the wake list for a blocked waiter to take.
 
+Both are also published on a channel named like the wake list (KEYS[8]):
+a hand-over as "waiter:token:granted_us:lease_ms", a wake-up as "". A
+process's asyncio waiters on a lock share one subscription to it and one
+KEEP call a second instead of a connection each (``waiters.py``).
+
 Retries (a socket timeout, a connection lost after the command was sent; our
 client resends once, a Cluster or django-redis client by its own policy) may
 run a script twice. RELEASE and BREAK change what the next run sees, so a
@@ -136,9 +141,11 @@ local function hand_off()
             local lease = math.min(tonumber(string.sub(info, 1, sep - 1)), 1000)
             local token = grant(head, lease, string.sub(info, sep + 1))
             local sig = ARGV[6] .. head
-            redis.call('rpush', sig, string.format('%d', token) .. ':' ..
-                string.format('%d', now_us) .. ':' .. lease)
+            local signal = string.format('%d', token) .. ':' .. string.format('%d', now_us) ..
+                ':' .. lease
+            redis.call('rpush', sig, signal)
             redis.call('pexpire', sig, 2000)  -- SIGNAL_TTL_MS
+            redis.call('publish', KEYS[8], head .. ':' .. signal)
             return true
         end
     end
@@ -231,9 +238,11 @@ if redis.call('exists', KEYS[4]) == 1 then
                 local lease = math.min(tonumber(string.sub(info, 1, sep - 1)), 1000)
                 local token = grant(head, lease, string.sub(info, sep + 1))
                 local sig = ARGV[6] .. head
-                redis.call('rpush', sig, string.format('%d', token) .. ':' ..
-                    string.format('%d', now_us) .. ':' .. lease)
+                local signal = string.format('%d', token) .. ':' .. string.format('%d', now_us) ..
+                    ':' .. lease
+                redis.call('rpush', sig, signal)
                 redis.call('pexpire', sig, 2000)  -- SIGNAL_TTL_MS
+                redis.call('publish', KEYS[8], head .. ':' .. signal)
                 return true
             end
         end
@@ -245,6 +254,7 @@ end
 if redis.call('exists', KEYS[7]) == 1 then
     if redis.call('llen', KEYS[8]) == 0 then redis.call('rpush', KEYS[8], 1) end
     redis.call('pexpire', KEYS[8], 2000)  -- SIGNAL_TTL_MS
+    redis.call('publish', KEYS[8], '')
 end
 return 1
 """)
@@ -315,9 +325,11 @@ if redis.call('exists', KEYS[4]) == 1 then
                 local lease = math.min(tonumber(string.sub(info, 1, sep - 1)), 1000)
                 local token = grant(head, lease, string.sub(info, sep + 1))
                 local sig = ARGV[6] .. head
-                redis.call('rpush', sig, string.format('%d', token) .. ':' ..
-                    string.format('%d', now_us) .. ':' .. lease)
+                local signal = string.format('%d', token) .. ':' .. string.format('%d', now_us) ..
+                    ':' .. lease
+                redis.call('rpush', sig, signal)
                 redis.call('pexpire', sig, 2000)  -- SIGNAL_TTL_MS
+                redis.call('publish', KEYS[8], head .. ':' .. signal)
                 return true
             end
         end
@@ -329,6 +341,7 @@ end
 if redis.call('exists', KEYS[7]) == 1 then
     if redis.call('llen', KEYS[8]) == 0 then redis.call('rpush', KEYS[8], 1) end
     redis.call('pexpire', KEYS[8], 2000)  -- SIGNAL_TTL_MS
+    redis.call('publish', KEYS[8], '')
 end
 return 1
 """)
@@ -382,9 +395,11 @@ local function hand_off()
             local lease = math.min(tonumber(string.sub(info, 1, sep - 1)), 1000)
             local token = grant(head, lease, string.sub(info, sep + 1))
             local sig = ARGV[6] .. head
-            redis.call('rpush', sig, string.format('%d', token) .. ':' ..
-                string.format('%d', now_us) .. ':' .. lease)
+            local signal = string.format('%d', token) .. ':' .. string.format('%d', now_us) ..
+                ':' .. lease
+            redis.call('rpush', sig, signal)
             redis.call('pexpire', sig, 2000)  -- SIGNAL_TTL_MS
+            redis.call('publish', KEYS[8], head .. ':' .. signal)
             return true
         end
     end
@@ -405,9 +420,36 @@ if redis.call('exists', KEYS[1]) == 0 and not hand_off() then
     if redis.call('exists', KEYS[7]) == 1 then
         if redis.call('llen', KEYS[8]) == 0 then redis.call('rpush', KEYS[8], 1) end
         redis.call('pexpire', KEYS[8], 2000)  -- SIGNAL_TTL_MS
+        redis.call('publish', KEYS[8], '')
     end
 end
 return granted
+""")
+
+# --- KEEP: a process's queued waiters on one lock are alive ---------------------------------
+# Their queue deadlines are moved WAITER_LEASE_MS on, as their own ACQUIRE would
+# move them, in one call for all of them (waiters.py).
+# KEYS[1] lock, KEYS[2] queue list, KEYS[3] queue deadlines zset, KEYS[4] queue
+# info hash (KEYS[1], [4], [5], [6] of the lock scripts); ARGV[1] waiter lease
+# ms, ARGV[2..] waiter ids.
+# Returns {the lock's PTTL (-2: free), the ids no longer queued...}: those were
+# handed the lock, or dropped as dead, or left.
+KEEP = LuaScript("""
+local now_t = redis.call('time')
+local deadline = math.floor((tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])) / 1000) +
+    tonumber(ARGV[1])
+local out = {redis.call('pttl', KEYS[1])}
+for i = 2, #ARGV do
+    if redis.call('zscore', KEYS[3], ARGV[i]) then
+        redis.call('zadd', KEYS[3], deadline, ARGV[i])
+    else
+        out[#out + 1] = ARGV[i]
+    end
+end
+if redis.call('exists', KEYS[2]) == 1 then
+    for i = 2, 4 do redis.call('pexpire', KEYS[i], 2 * tonumber(ARGV[1])) end
+end
+return out
 """)
 
 # --- EXTEND: compare the owner, then the lease runs ARGV[2] ms from now -----------------
@@ -515,6 +557,7 @@ ALL = {
     "RELEASE": RELEASE,
     "BREAK": BREAK,
     "ABANDON": ABANDON,
+    "KEEP": KEEP,
     "EXTEND": EXTEND,
     "EXTEND_MANY": EXTEND_MANY,
     "ADOPT": ADOPT,
