@@ -232,9 +232,11 @@ class Transport:
 
         A failure is raised as gRPC's own ``RpcError``; :meth:`request` maps it.
         """
+        # wait_for_ready None is gRPC's default, failing fast as False does,
+        # without a flags object made per call.
         return self._retrying(
             lambda stubs, timeout, wait: getattr(getattr(stubs, stub), method)(
-                request, timeout=timeout, metadata=self.metadata, wait_for_ready=wait
+                request, timeout=timeout, metadata=self.metadata, wait_for_ready=wait or None
             ),
             ambiguous,
         )
