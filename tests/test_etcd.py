@@ -36,6 +36,17 @@ from django_dlock import (
     semaphore,
 )
 from django_dlock.backends.etcd import EtcdBackend
+from django_dlock.backends.etcd.transport import (
+    CREATE_DESC,
+    created_at,
+    delete,
+    delete_txn,
+    encode_op,
+    get,
+    put,
+    queue_txn,
+    txn,
+)
 from django_dlock.backends.slots import SlotView
 from django_dlock.checks import check_backends
 from django_dlock.exceptions import LockConfigurationError
@@ -146,6 +157,22 @@ def test_names_with_slashes_are_separate_locks(name: str) -> None:
         with lock(name, backend="etcd", timeout=0):
             names = [i.name for i in locks["etcd"].list(name)]
             assert names == [name, f"{name}/a", f"{name}/a/b"]
+
+
+@pytest.mark.parametrize(
+    "key", [b"dlock/x/1f", b"k" * 200, "dlock/\u00e9/".encode() + b"\xff" * 130]
+)
+@pytest.mark.parametrize("lease_id", [1, 127, 128, 2**62 + 5])
+def test_hand_encoded_transactions_are_the_messages_they_stand_for(
+    key: bytes, lease_id: int
+) -> None:
+    read = get(b"dlock/", b"dlock0", limit=2, keys_only=True, **CREATE_DESC)
+    for value in (b"{}", b"x" * 300):
+        expected = txn([created_at(key, 0)], [put(key, lease_id, value), read], [get(key)])
+        assert queue_txn(key, lease_id, value, encode_op(read)) == expected.SerializeToString()
+    for revision in (0, 1, 300, 2**40, 2**63 - 1):
+        expected = txn([created_at(key, revision)], [delete(key)])
+        assert delete_txn(key, revision) == expected.SerializeToString()
 
 
 @pytest.mark.parametrize("alias", ["etcd", "etcd-cluster"])

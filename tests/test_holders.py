@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from django_dlock._validation import load_holder, load_holders
+from django_dlock._validation import holder_metadata, load_holder, load_holders
 from django_dlock.backends.base import LockInfo
 from django_dlock.holders import as_json, duration, holder_label, printable
 
@@ -86,3 +87,15 @@ def test_labels_durations_and_printable() -> None:
     ]
     assert printable("ok:name") == "ok:name"
     assert printable("a\x1b[2J\nb\u200b") == "a\\x1b[2J\\nb\\u200b"
+
+
+def test_holder_metadata_is_its_json_and_says_when() -> None:
+    before = datetime.now(timezone.utc)
+    holder, text = holder_metadata(30, None)
+    after = datetime.now(timezone.utc)
+    assert json.loads(text) == holder
+    acquired_at = datetime.fromisoformat(holder["acquired_at"])
+    # Written to the millisecond, which is cut (not rounded) as isoformat() does.
+    assert before.replace(microsecond=before.microsecond // 1000 * 1000) <= acquired_at <= after
+    assert holder["acquired_at"].endswith("+00:00")
+    assert (holder["pid"], holder["ttl"]) == (os.getpid(), 30.0)

@@ -36,11 +36,13 @@ from .transport import (
     Transport,
     created_at,
     delete,
+    encode_op,
     escape,
     get,
     leased_by,
     parse_location,
     put,
+    queue_txn,
     range_end,
     txn,
     unescape,
@@ -197,11 +199,14 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
     def _base(self, name: str) -> bytes:
         return self.root + escape(name) + b"/"
 
-    def _make_names(self, name: str) -> tuple[bytes, bytes, Any]:
-        """``Pdlock/N/``, the end of its range, and the op that reads its two newest keys."""
+    def _make_names(self, name: str) -> tuple[bytes, bytes, bytes]:
+        """``Pdlock/N/``, the end of its range, and the op that reads its two newest keys.
+
+        The op is encoded for :func:`~.transport.queue_txn`.
+        """
         base = self._base(name)
         end = range_end(base)
-        return base, end, get(base, end, limit=2, keys_only=True, **CREATE_DESC)
+        return base, end, encode_op(get(base, end, limit=2, keys_only=True, **CREATE_DESC))
 
     def do_acquire(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
@@ -220,26 +225,20 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
         if attempt.entry is not None:
             return self._recheck(attempt)
         base, _, newest_two = self._names(name)
-        lease = self.state.take_slot(name, base, ttl, renew)
+        lease = state.take_slot(name, base, ttl, renew)
         key = base + f"{lease.id:x}".encode()
         entry = attempt.entry = Entry(base, key, lease, lease)
         with state.mutex:
             state.entries[owner] = entry
-        request = txn(
-            [created_at(key, 0)],
-            [
-                put(key, lease.id, holder.encode()),
-                # Within this transaction ours is the newest key under base:
-                # the one before it is the key to watch, and if there is
-                # none, ours is the lowest and we hold the lock.
-                newest_two,
-            ],
-            [get(key)],
-        )
+        # Put our key if it does not exist, and read the two newest keys:
+        # within this transaction ours is the newest key under base, the one
+        # before it is the key to watch, and if there is none, ours is the
+        # lowest and we hold the lock. Failing, read our key.
+        request = queue_txn(key, lease.id, holder.encode(), newest_two)
         try:
             for _ in range(3):
                 retried: list[bool] = []
-                reply = self._txn(name, request, ambiguous=retried)
+                reply = self._call(name, "raw_kv", "Txn", request, ambiguous=retried)
                 if reply.succeeded:
                     break
                 [kv] = reply.responses[0].response_range.kvs or [None]
@@ -274,10 +273,11 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
                 self.state.delete_unknown(key, lease)
             raise
         entry.revision = reply.header.revision
-        ahead = [kv for kv in reply.responses[1].response_range.kvs if kv.key != key]
-        if not ahead:
+        newest = reply.responses[1].response_range.kvs
+        if len(newest) < 2:  # only ours
             return self._granted(name, entry, ttl, started)
-        attempt.ahead = (ahead[0].key, reply.header.revision)
+        ahead = [kv for kv in newest if kv.key != key]
+        attempt.ahead = (ahead[0].key, entry.revision)
         return None
 
     def _recheck(self, attempt: EtcdAttempt) -> int | Grant | None:

@@ -25,7 +25,7 @@ import grpc
 from etcd3 import etcdrpc as rpc
 
 from ...exceptions import BackendUnavailable
-from .transport import Transport, created_at, delete, leased_by, txn
+from .transport import Transport, created_at, delete, delete_txn, leased_by, txn
 from .watches import Watches
 
 
@@ -209,11 +209,7 @@ class Sessions:
         """Delete our key if it is still the one we created; revoke a lease of its own."""
         try:
             return self.call(
-                name,
-                "kv",
-                "Txn",
-                txn([created_at(entry.key, entry.revision)], [delete(entry.key)]),
-                **kwargs,
+                name, "raw_kv", "Txn", delete_txn(entry.key, entry.revision), **kwargs
             )
         except BackendUnavailable:
             if not entry.lease.private:
