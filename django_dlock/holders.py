@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from itertools import islice
 from typing import Any
 
 from .backends.base import LockInfo
@@ -74,6 +75,41 @@ def current_holders(backend: str | None = None, prefix: str = "") -> Listing:
         except DLockError as e:
             listing.errors[alias] = e
     return listing
+
+
+#: Leases written to ``manage.py locks --json``'s output at a time.
+JSON_BATCH = 1000
+
+
+def iter_json(
+    backend: str | None, prefix: str, now: datetime, errors: dict[str, DLockError]
+) -> Iterator[str]:
+    """The objects of ``[...]`` that ``current_holders`` as JSON holds, in its order, streamed.
+
+    Each piece is a run of comma-separated JSON objects (:func:`as_json`,
+    :func:`slot_as_json`): the mutexes' leases of each backend as its
+    :meth:`~django_dlock.backends.base.BaseLockBackend.iter_list` gives
+    them, then the semaphores' rows. A backend that fails is added to
+    ``errors`` and skipped from then on; the leases it gave before it failed
+    have been yielded already.
+    """
+    for alias in aliases(backend):
+        try:
+            leases = locks[alias].iter_list(prefix)
+            while batch := list(islice(leases, JSON_BATCH)):
+                yield ",".join([as_json(info, now) for info in batch])
+        except DLockError as e:
+            errors[alias] = e
+    for alias in aliases(backend):
+        if alias in errors or not locks[alias].supports_semaphores:
+            continue
+        try:
+            rows = [slot for info in locks[alias].semaphores(prefix) for slot in slots_of(info)]
+        except DLockError as e:
+            errors[alias] = e
+            continue
+        if rows:
+            yield ",".join([slot_as_json(slot, now) for slot in rows])
 
 
 def find_holders(name: str, backend: str | None = None, *, slots: bool = False) -> Listing:

@@ -25,6 +25,11 @@ to ``do_acquire``; ``docs/development.md`` walks through writing one.
     ``token`` when that is not None; return whether a lease was deleted.
 ``do_list(prefix)``
     The live leases whose names start with ``prefix``.
+``do_iter_list(prefix)``
+    The same, sorted by name, as an iterator (``manage.py locks --json``
+    writes each lease as it comes). The default sorts ``do_list``; a backend
+    that can read its leases in name order, a page at a time, yields them so
+    (Redis), and a listing then takes memory for a page, not for every lease.
 ``do_get(name)``
     The live lease on exactly ``name`` (a :class:`LockInfo`, as ``do_list``
     gives it), or None; one lookup, not a listing by prefix.
@@ -100,7 +105,7 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -315,6 +320,9 @@ class BaseLockBackend:
 
     def do_list(self, prefix: str) -> list[LockInfo]:
         raise NotImplementedError
+
+    def do_iter_list(self, prefix: str) -> Iterator[LockInfo]:
+        return iter(sorted(self.do_list(prefix), key=attrgetter("name")))
 
     def do_get(self, name: str) -> LockInfo | None:
         raise NotImplementedError
@@ -566,6 +574,17 @@ class BaseLockBackend:
         """Live leases whose names start with ``prefix``, sorted by name."""
         prefix = validate_name(prefix, what="A lock name prefix")
         return sorted(self.do_list(prefix), key=attrgetter("name"))
+
+    def iter_list(self, prefix: str = "") -> Iterator[LockInfo]:
+        """:meth:`list`, one lease at a time, in the same order.
+
+        On a backend that reads its index a page at a time (Redis), memory
+        stays that of a page whatever the count. A lease that ends or starts
+        while the pages are read may or may not be listed; no lease is listed
+        twice. A backend that stops answering midway raises
+        ``BackendUnavailable`` from the iteration, after the leases already given.
+        """
+        return self.do_iter_list(validate_name(prefix, what="A lock name prefix"))
 
     def get(self, name: str) -> LockInfo | None:
         """The live lease on ``name``, or None when nobody holds it; one lookup."""
