@@ -154,8 +154,8 @@ class Node:
         page's call is sent before this page's reply is handed over, so the
         server runs it while the caller parses this one. That call is out
         while the caller holds a page: with ``own_connection`` the pages are
-        read on a new connection, closed at the end, so that several listings
-        can be read side by side in one thread.
+        read on a new connection, closed at the end, so that the caller may
+        send other commands (or read other listings) before it has them all.
         """
         if not self.direct:
             reply = self.run(script, keys, args)

@@ -30,16 +30,18 @@ def iter_node(node: Node, tags: list[str], prefix: str, alias: str) -> Iterator[
     Read a page (``LIST_PAGE`` index entries) at a time, so that no more than
     about two pages are in memory whatever the count. Each shard's index is
     in name order (ZRANGEBYLEX compares UTF-8 bytes, which sorts as Python
-    compares str); several shards are merged, each read on a connection of
-    its own.
+    compares str); several shards are merged. Each shard is read on a
+    connection of its own, made for the listing: the next page's call is out
+    while the caller holds a page, and a release the caller makes meanwhile
+    on the thread's connection must not read that page as its reply.
     """
-    shards = [_iter_shard(node, tag, prefix, alias, len(tags) > 1) for tag in tags]
+    shards = [_iter_shard(node, tag, prefix, alias) for tag in tags]
     if len(shards) == 1:
         return shards[0]
     return heapq.merge(*shards, key=attrgetter("name"))
 
 
-def _iter_shard(node: Node, tag: str, prefix: str, alias: str, own: bool) -> Iterator[LockInfo]:
+def _iter_shard(node: Node, tag: str, prefix: str, alias: str) -> Iterator[LockInfo]:
     low, high = lex_range(prefix)
     args = [
         low.encode("utf-8", "surrogateescape"),
@@ -47,7 +49,7 @@ def _iter_shard(node: Node, tag: str, prefix: str, alias: str, own: bool) -> Ite
         f"{tag}:lock:",
         LIST_PAGE,
     ]
-    for reply in node.pages(node.list, [f"{tag}:idx"], args, own_connection=own):
+    for reply in node.pages(node.list, [f"{tag}:idx"], args, own_connection=True):
         yield from parse_page(alias, reply)
 
 
