@@ -10,7 +10,7 @@ from typing import Any
 
 from ..._validation import load_holders
 from ..base import LockInfo
-from .connections import Node
+from .connections import Node, text
 
 #: Index entries a LIST call reads: about 10 ms of the server's time.
 LIST_PAGE = 5000
@@ -63,33 +63,41 @@ def get_lease(node: Node, lock_key: str, name: str, alias: str) -> dict[str, Loc
     now_us, *lease = node.run(node.get, [lock_key], [])  # {now_us} or {now_us, value, pttl}
     if not lease:
         return {}
-    (info,) = parse_page(alias, [now_us, "", name, *lease])
+    value, pttl = lease
+    _owner, token, acquired, holder = (text(value)).split(":", 3)
+    (info,) = parse_page(alias, [now_us, "", name, token, acquired, holder, pttl])
     return {name: info}
 
 
 def parse_page(alias: str, reply: list[Any]) -> list[LockInfo]:
-    """A LIST reply ``{now_us, next, name1, value1, pttl1, ...}`` as leases, in its order."""
-    # Runs for every lease listed (a million for manage.py locks --json):
-    # whole columns decoded by C calls, positional arguments, and the
-    # datetime constructor held in a local.
+    """A LIST reply ``{now_us, next, name1, token1, acquired_us1, holder1, pttl1, ...}``
+    as leases, in its order."""
+    # Runs for every lease listed (a million for manage.py locks --json): the
+    # columns are read by C calls (int() takes bytes), and the loop passes
+    # positional arguments and holds the datetime constructor in a local.
     now_us = int(reply[0])
-    names, values = _decoded(reply[2::3]), _decoded(reply[3::3])
-    fields = [value.split(":", 3) for value in values]
-    holders, faithful = load_holders([field[3] for field in fields])
+    names, texts = _decoded(reply[2::5]), _decoded(reply[5::5])
+    holders, faithful = load_holders(texts)
     stamp, utc = datetime.fromtimestamp, timezone.utc
     return [
         LockInfo(
             alias,
             name,
-            int(field[1]),
+            token,
             holder,
-            stamp(int(field[2]) / 1_000_000, utc),  # micros_to_datetime()
+            stamp(acquired_us / 1_000_000, utc),  # micros_to_datetime()
             stamp((now_us + pttl * 1000) / 1_000_000, utc),
             pttl / 1000,
-            field[3] if faithful else None,
+            holder_text if faithful else None,
         )
-        for name, field, holder, pttl in zip(
-            names, fields, holders, map(int, reply[4::3]), strict=True
+        for name, token, acquired_us, holder, holder_text, pttl in zip(
+            names,
+            map(int, reply[3::5]),
+            map(int, reply[4::5]),
+            holders,
+            texts,
+            map(int, reply[6::5]),
+            strict=True,
         )
     ]
 
