@@ -14,7 +14,7 @@ from io import StringIO
 from typing import Any
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.test import override_settings
 
 from django_dlock import LockLost, holders, lock, locks
@@ -142,3 +142,37 @@ def test_shards_of_one_server_are_merged_in_name_order(
                 h.ensure()
         finally:
             release(held)
+
+
+def test_a_backend_that_stops_midway_leaves_one_valid_array(small_pages: None) -> None:
+    from django_dlock._validation import new_owner
+    from tests.servers import RedisServer, free_port
+
+    server = RedisServer(free_port()).start()
+    config = {"default": {"BACKEND": "django_dlock.backends.redis.RedisBackend"}}
+    config["default"]["LOCATION"] = server.url
+    names = [f"midway:{i:02d}" for i in range(12)]
+
+    class KillsTheServer(StringIO):
+        """An output that stops the server once the first leases are written."""
+
+        def write(self, text: str) -> int:
+            if text.startswith("{"):
+                server.kill()
+            return super().write(text)
+
+    try:
+        with override_settings(DLOCK_BACKENDS=config):
+            for n in names:
+                assert locks["default"].do_acquire(n, new_owner(), 60, "{}")
+            out, err = KillsTheServer(), StringIO()
+            with pytest.raises(CommandError) as excinfo:
+                call_command("locks", "--json", stdout=out, stderr=err, no_color=True)
+            locks["default"].close()
+    finally:
+        server.cleanup()
+    assert excinfo.value.returncode == 3
+    assert err.getvalue().startswith("default: ")
+    listed = [item["name"] for item in json.loads(out.getvalue())]
+    assert 2 <= len(listed) < len(names)
+    assert listed == names[: len(listed)]
