@@ -176,3 +176,23 @@ def test_a_backend_that_stops_midway_leaves_one_valid_array(small_pages: None) -
     listed = [item["name"] for item in json.loads(out.getvalue())]
     assert 2 <= len(listed) < len(names)
     assert listed == names[: len(listed)]
+
+
+def test_a_value_not_written_by_us_is_listed_whole(
+    redis_servers: dict[str, Any], small_pages: None, name: str
+) -> None:
+    import redis
+
+    client = redis.Redis(port=redis_servers["single"].port)
+    client.set(f"{{dlock:0}}:lock:{name}:odd", "written by hand", px=30_000)
+    client.zadd("{dlock:0}:idx", {f"{name}:odd": 0})
+    try:
+        (info,) = locks["redis"].list(name)
+        assert (info.name, info.token, info.holder) == (
+            f"{name}:odd",
+            0,
+            {"unparsed": "written by hand"},
+        )
+        assert json.loads(run("--backend", "redis", "--prefix", name, "--json"))[0]["token"] == 0
+    finally:
+        assert locks["redis"].break_lock(f"{name}:odd")
