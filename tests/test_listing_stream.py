@@ -196,3 +196,18 @@ def test_a_value_not_written_by_us_is_listed_whole(
         assert json.loads(run("--backend", "redis", "--prefix", name, "--json"))[0]["token"] == 0
     finally:
         assert locks["redis"].break_lock(f"{name}:odd")
+
+
+@pytest.mark.usefixtures("redis_servers", "small_pages")
+def test_listings_give_their_connections_back(name: str) -> None:
+    pool = locks["redis"].nodes[0].client.connection_pool  # type: ignore[attr-defined]
+    held = take([f"{name}:{i:02d}" for i in range(5)])
+    try:
+        # More listings, whole or stopped early, than the pool has connections.
+        for _ in range(pool.max_connections + 20):
+            assert len(locks["redis"].list(name)) == 5
+            leases = locks["redis"].iter_list(name)
+            next(leases)
+            leases.close()  # type: ignore[attr-defined]
+    finally:
+        release(held)

@@ -154,8 +154,9 @@ class Node:
         page's call is sent before this page's reply is handed over, so the
         server runs it while the caller parses this one. That call is out
         while the caller holds a page: with ``own_connection`` the pages are
-        read on a new connection, closed at the end, so that the caller may
-        send other commands (or read other listings) before it has them all.
+        read on a connection borrowed from the client's pool, not the
+        thread's, so that the caller may send other commands (or read other
+        listings) before it has them all.
         """
         if not self.direct:
             reply = self.run(script, keys, args)
@@ -165,11 +166,15 @@ class Node:
                 yield reply
             return
         if own_connection:
-            conn = self.client.connection_pool.make_connection()
+            # Borrowed from the pool and given back (disconnected if a reply
+            # is still out): a connection made with make_connection and not
+            # given back would count against the pool's limit for good.
+            pool = self.client.connection_pool
+            conn = pool.get_connection()
             try:
                 yield from self._pages_on(conn, script, keys, args, self._run_on(conn))
             finally:
-                conn.disconnect()
+                pool.release(conn)
             return
         conn = self._checkout()
         try:
