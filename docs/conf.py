@@ -40,7 +40,7 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
 exclude_patterns = ["_build"]
 
-# Links such as [Listing](benchmarks.md#listing-100000-locks) resolve to headings.
+# Links such as [Listing](benchmarks.md#listing-100000-and-1000000-locks) resolve to headings.
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
 

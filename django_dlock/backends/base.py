@@ -25,6 +25,11 @@ to ``do_acquire``; ``docs/development.md`` walks through writing one.
     ``token`` when that is not None; return whether a lease was deleted.
 ``do_list(prefix)``
     The live leases whose names start with ``prefix``.
+``do_iter_list(prefix)``
+    The same, sorted by name, as an iterator (``manage.py locks --json``
+    writes each lease as it comes). The default sorts ``do_list``; a backend
+    that can read its leases in name order, a page at a time, yields them so
+    (Redis), and a listing then takes memory for a page, not for every lease.
 ``do_get(name)``
     The live lease on exactly ``name`` (a :class:`LockInfo`, as ``do_list``
     gives it), or None; one lookup, not a listing by prefix.
@@ -102,10 +107,9 @@ import contextvars
 import functools
 import logging
 import time
-import warnings
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from django.core.checks import CheckMessage
 
@@ -140,6 +144,7 @@ from .attempts import (
     release_unwanted,
     retrieve_outcome,
 )
+from .capabilities import RenamedCapabilities
 from .types import (
     Grant,
     LockInfo,
@@ -172,14 +177,7 @@ __all__ = [
 logger = logging.getLogger("django_dlock")
 
 
-#: Capability names before issue 17 -> their names now (Django's ``supports_*``).
-_RENAMED_CAPABILITIES = {
-    "wakes_waiters": "supports_wakeups",
-    "shared_across_processes": "supports_multiprocess",
-}
-
-
-class BaseLockBackend:
+class BaseLockBackend(RenamedCapabilities):
     """Settings, the blocking loop and the public backend API; see the module docstring."""
 
     #: Are waiters served in the order they first asked? A backend where an
@@ -215,29 +213,6 @@ class BaseLockBackend:
     renew_batch: ClassVar[int] = 50
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
     allowed_options: ClassVar[frozenset[str]] = frozenset()
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        for old, new in _RENAMED_CAPABILITIES.items():
-            if old in cls.__dict__:
-                warnings.warn(
-                    f"{cls.__qualname__}.{old} is deprecated: declare {new} instead.",
-                    DeprecationWarning,
-                    stacklevel=2,
-                )
-                setattr(cls, new, cls.__dict__[old])
-
-    if not TYPE_CHECKING:  # mypy would take any attribute of a backend as valid
-
-        def __getattr__(self, name: str) -> Any:
-            # Only for attributes not found otherwise: the capabilities' old names.
-            new = _RENAMED_CAPABILITIES.get(name)
-            if new is None:
-                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-            warnings.warn(
-                f"{name} is deprecated: read {new} instead.", DeprecationWarning, stacklevel=2
-            )
-            return getattr(self, new)
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         self.alias = alias
@@ -338,6 +313,9 @@ class BaseLockBackend:
 
     def do_list(self, prefix: str) -> list[LockInfo]:
         raise NotImplementedError
+
+    def do_iter_list(self, prefix: str) -> Iterator[LockInfo]:
+        return iter(sorted(self.do_list(prefix), key=attrgetter("name")))
 
     def do_get(self, name: str) -> LockInfo | None:
         raise NotImplementedError
@@ -589,6 +567,17 @@ class BaseLockBackend:
         """Live leases whose names start with ``prefix``, sorted by name."""
         prefix = validate_name(prefix, what="A lock name prefix")
         return sorted(self.do_list(prefix), key=attrgetter("name"))
+
+    def iter_list(self, prefix: str = "") -> Iterator[LockInfo]:
+        """:meth:`list`, one lease at a time, in the same order.
+
+        On a backend that reads its index a page at a time (Redis), memory
+        stays that of a page whatever the count. A lease that ends or starts
+        while the pages are read may or may not be listed; no lease is listed
+        twice. A backend that stops answering midway raises
+        ``BackendUnavailable`` from the iteration, after the leases already given.
+        """
+        return self.do_iter_list(validate_name(prefix, what="A lock name prefix"))
 
     def get(self, name: str) -> LockInfo | None:
         """The live lease on ``name``, or None when nobody holds it; one lookup."""

@@ -15,8 +15,7 @@ import time
 import warnings
 import weakref
 import zlib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from redis import Redis
@@ -30,9 +29,9 @@ from ...exceptions import BackendUnavailable, LockConfigurationError
 from ..base import Attempt, Grant, LockInfo
 from .aio import AsyncNode
 from .connections import Node, as_bytes, redacted, server_version, text, transient
-from .listing import get_lease, list_node
+from .listing import get_lease, iter_node
 from .renewals import RedisRenewals
-from .scripts import ABANDON, ACQUIRE, EXTEND, KEEP, RELEASE, WAITER_LEASE_MS
+from .scripts import ABANDON, ACQUIRE, EXTEND, KEEP, RELEASE, WAITER_LEASE_MS, Keys
 from .semaphores import RedisSemaphores
 from .waiters import SELF_CHECK, Waiter, handed_over, take_handed
 
@@ -82,20 +81,6 @@ class RedisAttempt(Attempt):
 
     async def aabandon(self) -> None:
         await self.backend._aabandon(self)
-
-
-@dataclass(frozen=True)
-class Keys:
-    lock: str
-    fence: str
-    index: str
-    wake: str
-    waiting: str
-    queue: str
-    queue_deadlines: str
-    queue_info: str
-    signal_prefix: str
-    done_prefix: str
 
 
 def ms(seconds: float) -> int:
@@ -463,8 +448,15 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
         return keys, args
 
     def do_list(self, prefix: str) -> list[LockInfo]:
-        found = self._single(prefix, lambda node: list_node(node, self._tags, prefix, self.alias))
-        return list(found.values())
+        return list(self.do_iter_list(prefix))
+
+    def do_iter_list(self, prefix: str) -> Iterator[LockInfo]:
+        """Page by page over each shard's index (LIST), shards merged by name."""
+        node = self.nodes[0]
+        try:
+            yield from iter_node(node, self._tags, prefix, self.alias)
+        except RedisError as e:
+            raise self._unavailable(prefix, e, node) from e
 
     def _get_call(self, name: str) -> Callable[[Node], dict[str, LockInfo]]:
         lock_key, alias = self._keys(name).lock, self.alias

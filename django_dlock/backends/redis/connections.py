@@ -151,22 +151,69 @@ class Node:
         finally:
             self._checkin(conn)
 
-    def pages(self, script: LuaScript, keys: list[Any], args: list[Any]) -> Iterator[Any]:
+    def pages(
+        self,
+        script: LuaScript,
+        keys: list[Any],
+        args: list[Any],
+        *,
+        own_connection: bool = False,
+    ) -> Iterator[Any]:
         """Replies of ``script`` run page after page, as LIST pages.
 
         ``args[0]`` is where a page starts and ``reply[1]`` where the next
         one does (empty after the last). On our own connections the next
         page's call is sent before this page's reply is handed over, so the
-        server runs it while the caller parses this one.
+        server runs it while the caller parses this one. That call is out
+        while the caller holds a page: with ``own_connection`` the pages are
+        read on a connection borrowed from the client's pool, not the
+        thread's, so that the caller may send other commands (or read other
+        listings) before it has them all.
         """
-        reply = self.run(script, keys, args)
         if not self.direct:
+            reply = self.run(script, keys, args)
             yield reply
             while reply[1]:
                 reply = self.run(script, keys, [reply[1], *args[1:]])
                 yield reply
             return
+        if own_connection:
+            # Borrowed from the pool and given back (disconnected if a reply
+            # is still out): a connection made with make_connection and not
+            # given back would count against the pool's limit for good.
+            pool = self.client.connection_pool
+            conn = pool.get_connection()
+            try:
+                yield from self._pages_on(conn, script, keys, args, self._run_on(conn))
+            finally:
+                pool.release(conn)
+            return
         conn = self._checkout()
+        try:
+            yield from self._pages_on(conn, script, keys, args, self.run)
+        finally:
+            self._checkin(conn)
+
+    @staticmethod
+    def _run_on(conn: Any) -> Any:
+        """``run`` on ``conn``: no retry, a connection made for one listing."""
+
+        def run(script: LuaScript, keys: list[Any], args: list[Any]) -> Any:
+            try:
+                conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                return conn.read_response()
+            except NoScriptError:
+                conn.send_command("SCRIPT", "LOAD", script.text)
+                conn.read_response()
+                conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                return conn.read_response()
+
+        return run
+
+    def _pages_on(
+        self, conn: Any, script: LuaScript, keys: list[Any], args: list[Any], run: Any
+    ) -> Iterator[Any]:
+        reply = run(script, keys, args)
         sent = False
         try:
             while reply[1]:
@@ -178,7 +225,7 @@ class Node:
                     sent = False
                 except NoScriptError:
                     sent = False  # the server lost its scripts meanwhile: load it again
-                    reply = self.run(script, keys, [reply[1], *args[1:]])
+                    reply = run(script, keys, [reply[1], *args[1:]])
             yield reply
         except BaseException:
             conn.disconnect()
@@ -186,7 +233,6 @@ class Node:
         finally:
             if sent:
                 conn.disconnect()  # the caller stopped early: a reply is on its way
-            self._checkin(conn)
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)

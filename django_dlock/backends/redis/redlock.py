@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from operator import attrgetter
 from typing import Any
 
 from django.core import checks
@@ -329,6 +330,11 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
                 errors.append(e)
         self._need_quorum(prefix, len(per_node), errors)
         return self._merge_quorum(per_node)
+
+    def do_iter_list(self, prefix: str) -> Iterator[LockInfo]:
+        # A lease is listed when a majority holds it: every master's leases
+        # are read before the first is known (not page by page).
+        return iter(sorted(self.do_list(prefix), key=attrgetter("name")))
 
     def do_get(self, name: str) -> LockInfo | None:
         """``name``'s lease as a majority of masters holds it (as do_list), or None.

@@ -525,8 +525,12 @@ return {string.format('%d', now_us)}
 # keep each call short: a script blocks the server.
 # KEYS[1] index zset; ARGV[1], ARGV[2] the ZRANGEBYLEX bounds, ARGV[3] the
 # lock key prefix "{tag}:lock:", ARGV[4] the page size
-# Returns {now_us, next, name1, value1, pttl1, name2, ...}, where next is the
-# lower bound of the next page ("(" .. last name), or "" after the last page.
+# Returns {now_us, next, name1, token1, acquired_us1, holder1, pttl1, name2, ...}:
+# the fields of each lock's value "owner:token:acquired_us:holder JSON" but
+# the owner, split here so that the client reads whole columns (a value not
+# in that shape, written by hand, comes back as token 0, acquired 0 and the
+# whole value as its holder). next is the lower bound of the next page
+# ("(" .. last name), or "" after the last page.
 LIST = LuaScript("""
 local now_t = redis.call('time')
 local now_us = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
@@ -542,14 +546,35 @@ for _, name in ipairs(page) do
         -- 0: under a millisecond left, but live (acquire still refuses).
         local pttl = redis.call('pttl', key)
         if pttl >= 0 then
-            out[#out + 1] = name
-            out[#out + 1] = value
-            out[#out + 1] = pttl
+            local token, acquired, holder = string.match(value, '^[^:]*:(%d+):(%d+):(.*)$')
+            local n = #out
+            out[n + 1] = name
+            out[n + 2] = token or '0'
+            out[n + 3] = acquired or '0'
+            out[n + 4] = holder or value
+            out[n + 5] = pttl
         end
     end
 end
 return out
 """)
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The keys of one lock name, in the layout above (all with its shard's hash tag)."""
+
+    lock: str
+    fence: str
+    index: str
+    wake: str
+    waiting: str
+    queue: str
+    queue_deadlines: str
+    queue_info: str
+    signal_prefix: str
+    done_prefix: str
+
 
 #: Every script, by the name the module docstring's table uses.
 ALL = {
