@@ -238,8 +238,9 @@ class Renewer:
     thread renews them in batches (``do_extend_many``, up to the backend's
     ``renew_batch`` leases a call), earliest-expiring first: when renewals
     come due faster than the service answers, the leases closest to their end
-    go first, and a lease that runs out before its turn is marked lost (and
-    costs no call), so that as few leases as possible are lost. A lease whose
+    go first, and a lease that runs out before its turn, or would before its
+    renewal could come back, is marked lost (and costs no call), so that as
+    few leases as possible are lost. A lease whose
     renewal has not come back by the time it runs out (a server that accepts
     and never answers) is marked lost then, from the watchdog's thread.
 
@@ -261,6 +262,10 @@ class Renewer:
         self._queue: list[tuple[float, int, HeldLock, float]] = []
         self._seq = itertools.count()
         self._sending: list[HeldLock] = []
+        # How long a recent call took, seconds (a moving average): a lease with
+        # less than twice that left (and under a sixth of its TTL) would run out
+        # before its renewal came back.
+        self._round_trip = 0.0
         self._judge_at = math.inf
         self._thread: threading.Thread | None = None
         #: Seconds late of the latest late renewal while lagging, else None.
@@ -268,6 +273,10 @@ class Renewer:
         #: When the latest late renewal was sent (``time.monotonic()``).
         self.last_late = -math.inf
         self._note_owner: str | None = None
+        self._noted_at = -math.inf
+        # Leases the judge found run out while they waited, not yet reported.
+        self._missed = 0
+        self._missed_sample: list[HeldLock] = []
 
     def submit(self, work: Callable[[], None]) -> None:
         """Run ``work`` on this thread (one-off calls to the service: a delayed release)."""
@@ -308,11 +317,20 @@ class Renewer:
     def _judge(self) -> None:
         """On the watchdog's thread: mark lost the leases that ran out waiting or in flight."""
         now = time.monotonic()
+        waited: list[HeldLock] = []
         ran_out: list[HeldLock] = []
         with self._cond:
             self._judge_at = math.inf
             while self._queue and self._queue[0][0] <= now:
-                ran_out.append(heapq.heappop(self._queue)[2])
+                _, seq, held, due = heapq.heappop(self._queue)
+                if held.expires_at > now:  # extended by hand while it waited
+                    heapq.heappush(self._queue, (held.expires_at, seq, held, due))
+                elif held.renewal_wanted():
+                    waited.append(held)
+            if waited:
+                self._missed += len(waited)
+                self._missed_sample = waited[:1]
+                self._cond.notify()  # the renewal thread reports it
             next_end = self._queue[0][0] if self._queue else math.inf
             for held in self._sending:
                 if held.expires_at <= now:
@@ -321,13 +339,15 @@ class Renewer:
                     next_end = min(next_end, held.expires_at)
             if next_end < math.inf:
                 self._judge_before(next_end)
+        for held in waited:
+            _quietly(held.renewal_lost, WAITED)
         for held in ran_out:
-            held.renewal_lost("its renewal did not come back before the lease ran out")
+            _quietly(held.renewal_lost, "its renewal did not come back before the lease ran out")
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._work and not self._queue:
+                while not self._work and not self._queue and not self._missed:
                     if not self._cond.wait(self.IDLE) and not self._work and not self._queue:
                         self._thread = None  # the next submit() or flush() starts another
                         break
@@ -337,6 +357,8 @@ class Renewer:
                     work = self._work.popleft() if self._work else None
                     if work is None:
                         batch, ran_out, late = self._take()
+                        missed, self._missed = self._missed, 0
+                        sample, self._missed_sample = self._missed_sample, []
             if self._thread is not threading.current_thread():
                 _close_thread_connections()
                 return
@@ -344,18 +366,20 @@ class Renewer:
                 _run_work(work, self.alias)
                 del work
                 continue
-            for held in ran_out:
-                held.renewal_lost(
-                    "its renewal could not be sent before the lease ran out "
-                    "(the watchdog fell behind)"
-                )
-            self._lag_state(late, len(ran_out), batch or ran_out)
+            too_late: list[HeldLock] = []
             try:
-                self._send(batch)
+                too_late = self._send(batch)
             except BaseException:
                 # Even SystemExit from a signal receiver: this thread serves
                 # every lease of the alias and must not end with work queued.
                 logger.exception("Renewing leases on %r failed", self.alias)
+            # Those that ran out are told after the round is sent: their
+            # lock_lost receivers must not hold up the leases still alive.
+            for held in ran_out + too_late:
+                _quietly(held.renewal_lost, WAITED)
+            # After the round is sent: a slow receiver must not hold it up.
+            lost = len(ran_out) + len(too_late) + missed
+            _quietly(self._lag_state, late, lost, batch or ran_out or sample)
             with self._cond:
                 self._sending = []
             del batch, ran_out
@@ -367,10 +391,10 @@ class Renewer:
         ran_out: list[HeldLock] = []
         late = 0.0
         while self._queue and len(batch) < ROUND:
-            expires, _, held, due = heapq.heappop(self._queue)
+            _, _, held, due = heapq.heappop(self._queue)
             if not held.renewal_wanted():
                 continue
-            if expires <= now:
+            if held.expires_at <= now:
                 ran_out.append(held)
                 continue
             if now - due > held.ttl * LATE_SHARE:
@@ -381,7 +405,16 @@ class Renewer:
             self._judge_before(min(held.expires_at for held in batch))
         return batch, ran_out, late
 
-    def _send(self, batch: list[HeldLock]) -> None:
+    def _send(self, batch: list[HeldLock]) -> list[HeldLock]:
+        """Renew ``batch``, a call per chunk; return the leases given up as too late.
+
+        Under overload the earliest-expiring leases are the ones closest to
+        their end. One that would run out before its renewal could come back
+        (less than twice a recent call's time left, and less than a sixth of
+        its TTL) is given up rather than sent: it would be lost anyway, and
+        the call's time goes to the leases that can still be saved.
+        """
+        too_late: list[HeldLock] = []
         groups: dict[Any, list[HeldLock]] = {}
         for held in batch:
             groups.setdefault(held.backend.renewal_key, []).append(held)
@@ -391,14 +424,28 @@ class Renewer:
             for start in range(0, len(group), size):
                 chunk = group[start : start + size]
                 sent = time.monotonic()
+                margin = 2 * self._round_trip
+                if chunk[0].expires_at - sent <= margin:  # the first ends first
+                    given_up = [
+                        held
+                        for held in chunk
+                        if held.expires_at - sent <= min(margin, held.ttl * LATE_SHARE)
+                    ]
+                    if given_up:
+                        gone = set(given_up)
+                        chunk = [held for held in chunk if held not in gone]
+                        too_late += given_up
+                        if not chunk:
+                            continue
                 leases = [(held.name, held.owner, held.ttl) for held in chunk]
                 try:
                     results = backend.do_extend_many(leases)
                 except Exception as e:
                     results = [e] * len(chunk)
+                self._round_trip = 0.8 * self._round_trip + 0.2 * (time.monotonic() - sent)
                 failed = None
                 for held, result in zip(chunk, results, strict=True):
-                    if held.renewal_done(sent, result) is not None:
+                    if _quietly(held.renewal_done, sent, result) is not None:
                         failed = result
                 if failed is not None:
                     logger.warning(
@@ -407,16 +454,20 @@ class Renewer:
                         self.alias,
                         failed,
                     )
+        return too_late
 
     def _lag_state(self, late: float, ran_out: int, sample: list[HeldLock]) -> None:
         now = time.monotonic()
         if late or ran_out:
+            quiet = now - self.last_late > LAG_QUIET
             self.last_late = now
-            if self.lag is None:
+            if self.lag is None or quiet:
                 self.lag = late
                 self._report_lag(late, ran_out, sample[0])
             else:
                 self.lag = max(self.lag, late)
+                if now - self._noted_at > LAG_NOTE_TTL / 2:  # still lagging: keep the note
+                    self._leave_note_later(sample[0], late, ran_out)
         elif self.lag is not None and now - self.last_late > LAG_QUIET and not self._queue:
             self.lag = None
             logger.info("The watchdog caught up with its renewals on %r", self.alias)
@@ -429,8 +480,9 @@ class Renewer:
         logger.warning(
             "The django-dlock watchdog is falling behind on backend %r: renewals are "
             "going out %.1f s late, %d lease(s) wait and %d ran out first. The leases "
-            "closest to their end are renewed first. Hold fewer leases per process, "
-            "or give them longer TTLs.",
+            "closest to their end are renewed first. Either the process was paused, or "
+            "it holds more leases than it can renew in time: hold fewer leases per "
+            "process, or give them longer TTLs.",
             self.alias,
             late,
             waiting,
@@ -445,7 +497,13 @@ class Renewer:
         ):
             if isinstance(result, Exception):
                 logger.error("watchdog_lagging receiver %r raised %r", receiver, result)
-        detail = {"late_s": round(late, 3), "waiting": waiting, "ran_out": ran_out}
+        self._leave_note_later(held, late, ran_out)
+
+    def _leave_note_later(self, held: HeldLock, late: float, ran_out: int) -> None:
+        """Leave (or renew) the note for ``locks check`` from a thread of its own."""
+        self._noted_at = time.monotonic()
+        backend = getattr(held.backend, "base", held.backend)
+        detail = {"late_s": round(late, 3), "waiting": len(self._queue), "ran_out": ran_out}
         threading.Thread(
             target=self._leave_note, args=(backend, detail), name="django-dlock-lag", daemon=True
         ).start()
@@ -485,6 +543,18 @@ def lag_notes(backend: BaseLockBackend) -> list[str]:
     return notes
 
 
+WAITED = "its renewal could not be sent before the lease ran out (the watchdog fell behind)"
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``; a BaseException (a receiver's SystemExit) is logged, not raised."""
+    try:
+        return fn(*args)
+    except BaseException:
+        logger.exception("A renewal step failed (a signal receiver raised?)")
+        return None
+
+
 def _run_work(work: Callable[[], None], alias: str) -> None:
     try:
         work()
@@ -514,7 +584,7 @@ class _Timer:
         self._watchdog._timers.discard(self)
         try:
             self._action()
-        except Exception:
+        except BaseException:  # a receiver's SystemExit must not end the watchdog thread
             logger.exception("A watchdog action failed")
 
 
