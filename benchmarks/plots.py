@@ -123,7 +123,7 @@ def watchdog(before: dict[str, Any], after: dict[str, Any]) -> Path:
     for offset, (label, data, color) in enumerate(
         (("before (one call a lease)", before, "#888"), ("after (batched)", after, "#3b6ea5"))
     ):
-        kept = [100 * data[c]["on_server"] / data[c]["leases"] for c in cases]
+        kept = [100 * data[c]["kept"] / data[c]["leases"] for c in cases]
         xs = [x + offset * width for x in range(len(cases))]
         left.bar(xs, kept, width, label=label, color=color)
         for x, value in zip(xs, kept, strict=True):

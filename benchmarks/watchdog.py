@@ -17,6 +17,9 @@ them; what it used in that window is the figure:
             at ttl 2 s, 5 s by default): how many leases are lost, and
             whether the lag was reported (``watchdog_lagging``) once.
 
+A lease is kept if its handle was never marked lost (a handle marked lost
+while its renewal was in flight may still have its key on the server, until
+its TTL ends: such keys are counted in the JSON's ``on_server``, not as kept).
 CPU is the process's user + system time over the window (its main thread
 sleeps), as a share of one core; redis-server's own CPU is given beside it.
 
@@ -208,7 +211,7 @@ def main() -> None:
                     name,
                     f"{r['leases']:,}",
                     f"{r['ttl']:g}",
-                    f"{r['on_server']:,}",
+                    f"{r['kept']:,}",
                     f"{100 * r['cpu']:.1f}",
                     f"{r['cpu'] / floor['cpu']:.2f}",
                     f"{100 * r['server_cpu']:.1f}",
@@ -227,7 +230,7 @@ def main() -> None:
                     f"overload {ttl:g}s",
                     f"{r['leases']:,}",
                     f"{r['ttl']:g}",
-                    f"{r['on_server']:,}",
+                    f"{r['kept']:,}",
                     f"{100 * r['cpu']:.1f}",
                     "-",
                     f"{100 * r['server_cpu']:.1f}",
