@@ -6,7 +6,8 @@ three libraries lives on the same server. Every call has distinct arguments,
 so nothing is deduplicated: what is measured is what the lock costs a task
 that runs. Variants are interleaved round by round and medians are reported.
 
-- latency: one call at a time, from ``delay()`` until its result is back;
+- latency: one call at a time, from ``delay()`` until its result is back,
+  the variants taking turns call by call;
 - throughput: a batch of calls sent at once, until all results are back;
 - overhead: the variant's time per task minus the undecorated task's, in the
   same round; ``x singleton`` is that overhead over celery-singleton's.
@@ -75,13 +76,16 @@ def main() -> None:
         latency: dict[str, list[float]] = {v: [] for v in VARIANTS}
         batch: dict[str, list[float]] = {v: [] for v in VARIANTS}
         for _ in range(args.rounds):
-            for name, task in tasks.items():
-                samples = []
-                for _ in range(args.latency_calls):
+            # Call by call in turn, so that a change in the machine's other
+            # load falls on every variant alike.
+            samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            for _ in range(args.latency_calls):
+                for name, task in tasks.items():
                     started = time.perf_counter()
                     task.delay(next(counter)).get(timeout=30)
-                    samples.append(time.perf_counter() - started)
-                latency[name].append(statistics.median(samples))
+                    samples[name].append(time.perf_counter() - started)
+            for name in VARIANTS:
+                latency[name].append(statistics.median(samples[name]))
             for name, task in tasks.items():
                 started = time.perf_counter()
                 results = [task.delay(next(counter)) for _ in range(args.batch)]
@@ -140,8 +144,8 @@ def report(latency: dict[str, list[float]], batch: dict[str, list[float]], args:
         )
     print(
         f"Celery, Redis broker and result backend, prefork worker with 2 processes; {rounds} "
-        f"interleaved rounds of {args.latency_calls} one-at-a-time calls and of a batch of "
-        f"{args.batch}; medians"
+        f"rounds of {args.latency_calls} one-at-a-time calls (variants in turn) and of a "
+        f"batch of {args.batch} per variant; medians"
     )
     print(table(rows))
     if args.json:

@@ -69,3 +69,27 @@ def test_the_old_lock_name_functions_warn_and_still_work() -> None:
         assert views.lock_name("order:{order_id}", _request(), {"order_id": 5}) == "order:5"
     with pytest.warns(DeprecationWarning, match="use instance_lock_name"):
         assert saves.lock_name(Document(pk=2, title="x")) == "tests.document:2"
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [((1, 2), {}), ((1,), {"b": 2}), ((), {"b": 2, "a": 1}), ((1,), {"a": 2}),
+     ((1, 2, 3), {}), ((1,), {"c": 2}), ((1,), {}), ((), {})],
+)  # fmt: skip
+def test_arguments_bind_as_the_signature_does(
+    args: tuple[int, ...], kwargs: dict[str, int]
+) -> None:
+    """Plain parameters are zipped with the arguments, not bound: same values, same errors."""
+
+    def f(a: int, b: int) -> None: ...
+
+    signature = inspect.signature(f)
+    template = KeyTemplate("{a}:{b}", signature)
+    try:
+        expected = dict(signature.bind(*args, **kwargs).arguments)
+    except TypeError as e:
+        with pytest.raises(TypeError, match=str(e)):
+            template.arguments(args, kwargs)
+    else:
+        assert template.arguments(args, kwargs) == expected
+        assert template.format(args, kwargs) == f"{expected['a']}:{expected['b']}"
