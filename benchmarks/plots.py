@@ -131,7 +131,7 @@ def watchdog(before: dict[str, Any], after: dict[str, Any]) -> Path:
     left.set_xticks([x + width / 2 for x in range(len(cases))], labels)
     left.set_ylabel("leases kept, % (higher is better)")
     left.set_ylim(0, 115)
-    left.legend(fontsize=8, loc="lower left")
+    left.legend(fontsize=8, loc="center")
     left.set_title("Leases one process kept through 60 s")
     names = ["floor", "before", "after"]
     cpu = [100 * after["floor"]["cpu"], 100 * before["keep"]["cpu"], 100 * after["keep"]["cpu"]]
