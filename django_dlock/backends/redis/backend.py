@@ -31,7 +31,7 @@ from .aio import AsyncNode
 from .connections import Node, as_bytes, redacted, server_version, text, transient
 from .listing import get_lease, iter_node
 from .renewals import RedisRenewals
-from .scripts import ABANDON, ACQUIRE, EXTEND, KEEP, RELEASE, WAITER_LEASE_MS, Keys
+from .scripts import ABANDON, ACQUIRE, EXTEND, KEEP, RELEASE, WAITER_LEASE_MS, Keys, lock_key
 from .semaphores import RedisSemaphores
 from .waiters import SELF_CHECK, Waiter, handed_over, take_handed
 
@@ -291,7 +291,7 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
     def _make_keys(self, name: str) -> Keys:
         tag = self.tag(name)
         return Keys(
-            lock=f"{tag}:lock:{name}",
+            lock=lock_key(tag, name),
             fence=f"{tag}:fence",
             index=f"{tag}:idx",
             wake=f"{tag}:wake:{name}",

@@ -11,6 +11,7 @@ from typing import Any
 from ..._validation import load_holders
 from ..base import LockInfo
 from .connections import Node, text
+from .scripts import lock_key
 
 #: Index entries a LIST call reads: about 10 ms of the server's time.
 LIST_PAGE = 5000
@@ -46,7 +47,7 @@ def _iter_shard(node: Node, tag: str, prefix: str, alias: str) -> Iterator[LockI
     args = [
         low.encode("utf-8", "surrogateescape"),
         high.encode("utf-8", "surrogateescape"),
-        f"{tag}:lock:",
+        lock_key(tag, ""),
         LIST_PAGE,
     ]
     for reply in node.pages(node.list, [f"{tag}:idx"], args, own_connection=True):

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from ...exceptions import BackendUnavailable
+from .scripts import lock_key
 
 
 class RedisRenewals:
@@ -29,7 +30,7 @@ class RedisRenewals:
             shards.setdefault(self.tag(name), []).append(i)
         results: list[bool | Exception] = [False] * len(leases)
         for tag, indexes in shards.items():
-            keys = [f"{tag}:lock:{leases[i][0]}" for i in indexes]
+            keys = [lock_key(tag, leases[i][0]) for i in indexes]
             args: list[Any] = []
             for i in indexes:
                 args += (leases[i][1], max(1, round(leases[i][2] * 1000)))

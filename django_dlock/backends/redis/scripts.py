@@ -560,6 +560,11 @@ return out
 """)
 
 
+def lock_key(tag: str, name: str) -> str:
+    """The key of lease ``name`` in the shard of hash tag ``tag`` (name "": the keys' prefix)."""
+    return f"{tag}:lock:{name}"
+
+
 @dataclass(frozen=True)
 class Keys:
     """The keys of one lock name, in the layout above (all with its shard's hash tag)."""
