@@ -363,7 +363,7 @@ class Renewer:
                 _close_thread_connections()
                 return
             if work is not None:
-                _run_work(work, self.alias)
+                _quietly(work)
                 del work
                 continue
             too_late: list[HeldLock] = []
@@ -551,15 +551,8 @@ def _quietly(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
     except BaseException:
-        logger.exception("A renewal step failed (a signal receiver raised?)")
+        logger.exception("A step of a renewal thread failed (a signal receiver raised?)")
         return None
-
-
-def _run_work(work: Callable[[], None], alias: str) -> None:
-    try:
-        work()
-    except BaseException:
-        logger.exception("A renewal on %r failed", alias)
 
 
 def _close_thread_connections() -> None:
