@@ -1,19 +1,10 @@
-"""Settings for benchmarks/async_waiters.py: a fair and an unfair Redis backend, no database."""
+"""Settings for benchmarks/async_waiters.py: listing_settings' Redis backend, fair and unfair."""
 
-import os
+from benchmarks.listing_settings import *  # noqa: F403
+from benchmarks.listing_settings import DLOCK_BACKENDS as _LISTING
 
-SECRET_KEY = "benchmark-only"
-INSTALLED_APPS = ["django_dlock"]
 DLOCK_BACKENDS = {
-    "default": {
-        "BACKEND": "django_dlock.backends.redis.RedisBackend",
-        "LOCATION": os.environ["DLOCK_BENCH_REDIS_URL"],
-        "OPTIONS": {"fair": True},
-    },
-    "unfair": {
-        "BACKEND": "django_dlock.backends.redis.RedisBackend",
-        "LOCATION": os.environ["DLOCK_BENCH_REDIS_URL"],
-    },
+    "default": {**_LISTING["default"], "OPTIONS": {"fair": True}},
+    "unfair": _LISTING["default"],
 }
 DLOCK_BACKENDS["fair"] = DLOCK_BACKENDS["default"]
-USE_TZ = True
