@@ -141,3 +141,38 @@ def test_a_slow_watchdog_lagging_receiver_does_not_hold_up_the_round(alias: str)
         watchdog_lagging.disconnect(dispatch_uid="review-slow")
     assert not held.lost, held.lost_reason
     held.release()
+
+
+def test_a_lease_that_would_run_out_before_its_renewal_came_back_is_not_sent(
+    alias: str,
+) -> None:
+    """Under overload, a renewal that cannot come back in time is given up, not sent.
+
+    The service has answered slowly (a recent call took 1 s), and the lease's
+    renewal waited in the queue until 0.3 s were left (less than ttl/6 and
+    than twice that call): sending it would cost a call and save nothing.
+    """
+    backend = locks[alias]
+    sent: list[str] = []
+    original = type(backend).do_extend_many
+
+    def recording(self: Any, leases: Any) -> list[bool | Exception]:
+        sent.extend(n for n, _, _ in leases)
+        return original(self, leases)
+
+    renewer = get_watchdog().renewer(alias)
+    renewer._round_trip = 1.0  # what a slow service's calls left behind
+    type(backend).do_extend_many = recording  # type: ignore[method-assign]
+    try:
+        free = hold_renewer(alias, 10)
+        held = lock("x", backend=alias, ttl=3).acquire()  # due at 1.0, ends at 3.0
+        time.sleep(held.expires_in - 0.3)
+        free.set()
+        deadline = time.monotonic() + 3
+        while not held.lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        free.set()
+        del type(backend).do_extend_many
+    assert held.lost and "could not be sent" in (held.lost_reason or "")
+    assert "x" not in sent
