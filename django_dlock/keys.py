@@ -20,11 +20,27 @@ Where the values come from depends on the caller, never on the syntax:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import string
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any, Protocol
+
+#: The key template of the lock being acquired in this context, if its name
+#: was made from one: what metrics and traces label it by (``HeldLock.template``).
+acquiring_template: ContextVar[str | None] = ContextVar("django_dlock_template", default=None)
+
+
+@contextlib.contextmanager
+def templated(template: str) -> Iterator[None]:
+    """Acquisitions in this block have names made from ``template`` (see ``acquiring_template``)."""
+    token = acquiring_template.set(template)
+    try:
+        yield
+    finally:
+        acquiring_template.reset(token)
 
 
 class Values(Protocol):
