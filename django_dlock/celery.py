@@ -73,7 +73,7 @@ from .backends.slots import SlotView, validate_limit
 from .exceptions import LockLost, LockTimeout
 from .handle import HeldLock
 from .handler import locks
-from .keys import KeyTemplate
+from .keys import KeyTemplate, templated
 from .parking import ORDER_HEADER, header, park_payload, send_parked, send_parked_calls
 from .signals import task_deferred, task_skipped
 
@@ -265,6 +265,10 @@ class LockedTask(Task):  # type: ignore[misc]
             text = repr(sorted(values.items(), key=lambda item: item[0]))
         return f"{self.name}:{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 
+    def lock_pattern(self) -> str:
+        """What metrics label this task's locks by: its key template, else ``"<task name>:*"``."""
+        return self.lock_options.key or f"{self.name}:*"
+
     # --- running ----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -335,13 +339,14 @@ class LockedTask(Task):  # type: ignore[misc]
         options = self.lock_options
         scope = "run" if renew else "queue"
         try:
-            return options.target().acquire(  # type: ignore[no-any-return]
-                key,
-                ttl=ttl,
-                timeout=options.timeout if options.on_locked == "wait" else 0,
-                metadata=self._metadata(task_id, request, scope),
-                renew=renew,
-            )
+            with templated(self.lock_pattern()):
+                return options.target().acquire(  # type: ignore[no-any-return]
+                    key,
+                    ttl=ttl,
+                    timeout=options.timeout if options.on_locked == "wait" else 0,
+                    metadata=self._metadata(task_id, request, scope),
+                    renew=renew,
+                )
         except LockTimeout as e:
             if options.on_locked in ("wait", "raise"):
                 raise
@@ -376,13 +381,14 @@ class LockedTask(Task):  # type: ignore[misc]
         # A run that ended before the parking landed popped nobody: take its slot.
         metadata = self._metadata(task_id, request, "run")
         try:
-            held: HeldLock = options.target().acquire(
-                key, ttl=options.ttl, timeout=0, metadata=metadata
-            )
+            with templated(self.lock_pattern()):
+                held: HeldLock = options.target().acquire(
+                    key, ttl=options.ttl, timeout=0, metadata=metadata
+                )
         except LockTimeout:
             task_deferred.send(
                 type(self), task=self, task_id=task_id, name=key, backend=options.backend,
-                args=args, kwargs=kwargs,
+                args=args, kwargs=kwargs, template=self.lock_pattern(),
             )  # fmt: skip
             raise Ignore() from None
         if backend.do_unpark_key(key, task_id):
@@ -481,6 +487,7 @@ class LockedTask(Task):  # type: ignore[misc]
             scope=scope,
             args=args,
             kwargs=kwargs,
+            template=self.lock_pattern(),
         )
 
 

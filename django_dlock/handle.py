@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._validation import validate_name, validate_ttl
 from .exceptions import BackendUnavailable, LockLost, LockNotOwned
-from .signals import lock_acquired, lock_lost, lock_released
+from .keys import acquiring_template
+from .signals import lock_acquired, lock_detached, lock_lost, lock_released
 from .watchdog import get_watchdog
 
 if TYPE_CHECKING:
@@ -135,6 +136,15 @@ class HeldLock:
     _renew_enabled: bool
     _fork_generation: int
     _forgotten: weakref.finalize[..., Any] | None
+    #: Seconds the acquisition waited for this lease (0 for an adopted one).
+    waited: float
+    #: Whether the acquisition was refused at least once before the grant.
+    contended: bool
+    #: The ``time.monotonic()`` instant the lease was granted here.
+    acquired_at: float
+    #: The key template the name was made from (``@lock``, ``@locked_task``,
+    #: guarded views), else None: the pattern metrics label it by.
+    template: str | None
     #: The watchdog's: a renewal is queued or under way.
     renewing: bool
     #: The watchdog's: bumped whenever it (re)schedules or cancels this handle.
@@ -153,6 +163,8 @@ class HeldLock:
         lease: float,
         holder: dict[str, Any],
         renew: bool,
+        waited: float = 0.0,
+        contended: bool = False,
     ) -> None:
         """The handle of a lease the lock service just granted to ``owner``.
 
@@ -163,8 +175,9 @@ class HeldLock:
         when the request was sent, plus the TTL), ``lease`` its length (shorter
         than ``ttl`` for a hand-over: the handle extends it), ``holder`` the
         metadata stored with it. With ``renew`` the process's watchdog renews
-        it every ``ttl / 3`` seconds. Sends ``lock_acquired``; if a receiver
-        raises, the lease is released and the error propagates.
+        it every ``ttl / 3`` seconds. ``waited`` and ``contended`` describe
+        the acquisition (for ``lock_acquired``). Sends ``lock_acquired``; if a
+        receiver raises, the lease is released and the error propagates.
         """
         self.backend = backend
         self.name = name
@@ -173,6 +186,10 @@ class HeldLock:
         self.ttl = ttl
         self.holder = holder
         self.lost_reason = None
+        self.waited = waited
+        self.contended = contended
+        self.acquired_at = time.monotonic()
+        self.template = acquiring_template.get()
         self._mutex = threading.Lock()
         self._state = _HELD
         # ``expires`` is when the lease ends at the earliest by our clock (for a
@@ -205,6 +222,8 @@ class HeldLock:
                     name=name,
                     token=self.token,
                     held=self,
+                    waited=waited,
+                    contended=contended,
                 )
             except BaseException:
                 self.release_quietly()
@@ -345,6 +364,7 @@ class HeldLock:
                 name=self.name,
                 token=self.token,
                 held=self,
+                held_for=time.monotonic() - self.acquired_at,
             )
 
     # --- async: the backend's awaitable primitives (native, or a worker thread).
@@ -394,6 +414,15 @@ class HeldLock:
             if self._renew_enabled:
                 get_watchdog().schedule(self, 0)
             raise
+        if lock_detached.receivers:
+            lock_detached.send(
+                sender=type(self.backend),
+                backend=self.alias,
+                name=self.name,
+                token=self.token,
+                held=self,
+                held_for=time.monotonic() - self.acquired_at,
+            )
         return Ticket(
             self.alias, self.name, self.owner, self.token, self.ttl, self.holder, state
         ).to_dict()
@@ -457,6 +486,7 @@ class HeldLock:
             token=self.token,
             held=self,
             reason=self.lost_reason,
+            held_for=time.monotonic() - self.acquired_at,
         ):
             if isinstance(result, Exception):
                 logger.error("lock_lost receiver %r raised %r", receiver, result)

@@ -35,7 +35,7 @@ acquiring_template: ContextVar[str | None] = ContextVar("django_dlock_template",
 
 @contextlib.contextmanager
 def templated(template: str) -> Iterator[None]:
-    """Acquisitions in this block have names made from ``template`` (see ``acquiring_template``)."""
+    """Acquisitions in this block name locks made from ``template``: ``acquiring_template``."""
     token = acquiring_template.set(template)
     try:
         yield

@@ -22,7 +22,7 @@ from . import conf
 from ._validation import dump_holder, validate_name, validate_timeout, validate_ttl
 from .handle import TICKET_VERSION, HeldLock, arelease_on_exit, release_on_exit
 from .handler import locks
-from .keys import KeyTemplate
+from .keys import KeyTemplate, templated
 from .transactions import release_at_transaction_end
 
 __all__ = [
@@ -182,7 +182,8 @@ class Lock:
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                held = await self._aacquire(_UNSET, key_for(args, kwargs))
+                with templated(self.name):
+                    held = await self._aacquire(_UNSET, key_for(args, kwargs))
                 try:
                     result = await func(*args, **kwargs)
                 except BaseException:
@@ -195,7 +196,8 @@ class Lock:
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            held = self._acquire(_UNSET, key_for(args, kwargs))
+            with templated(self.name):
+                held = self._acquire(_UNSET, key_for(args, kwargs))
             try:
                 result = func(*args, **kwargs)
             except BaseException:

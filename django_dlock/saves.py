@@ -110,9 +110,9 @@ def _under_lock(
     release_on_commit: bool,
     using: str | None,
 ) -> Any:
-    held = lock(
-        instance_lock_name(instance, key), backend=backend, ttl=ttl, timeout=timeout
-    ).acquire()
+    name = instance_lock_name(instance, key)
+    with keys.templated(key):
+        held = lock(name, backend=backend, ttl=ttl, timeout=timeout).acquire()
     db = using or router.db_for_write(type(instance), instance=instance)
     try:
         result = write(held)

@@ -4,11 +4,26 @@ Every signal is sent with ``sender`` = the backend class and these keyword
 arguments: ``backend`` (alias), ``name`` and ``token``; the handle-based ones
 also pass ``held`` (the :class:`~django_dlock.lock.HeldLock`).
 
-- ``lock_acquired``: a lease was granted.
-- ``lock_released``: its holder released it.
+- ``lock_acquired``: a lease was granted. Also ``waited`` (seconds from the
+  start of the acquisition to the grant; 0 for an adopted lease) and
+  ``contended`` (the lock service refused it at least once first).
+- ``lock_released``: its holder released it. Also ``held_for``: seconds since
+  the grant.
 - ``lock_lost``: a holder found out its lease is gone (renewal refused or
   failed until the lease ran out, or ``ensure()`` saw it gone). Sent once per
-  handle, from the thread that noticed: often the watchdog thread.
+  handle, from the thread that noticed: often the watchdog thread. Also
+  ``reason`` and ``held_for``.
+- ``lock_detached``: its holder handed it over with ``detach()`` (the
+  adopting process sends ``lock_acquired`` for it, with ``waited`` 0). Also
+  ``held_for``.
+- ``lock_timeout``: an acquisition gave up because its deadline passed while
+  others held the lock (it is about to raise ``LockTimeout``; a one-shot try,
+  ``timeout=0``, counts). No ``token`` or ``held``; ``waited`` (seconds) and
+  ``template`` (the key template of the name, or None) instead.
+
+A handle's ``template`` attribute is the key template its name was made from
+(by ``@lock``, ``@locked_task`` or a guarded view), or None: what
+``django_dlock.contrib.prometheus`` labels its metrics by instead of the name.
 - ``lock_broken``: an operator broke a lease with ``break_lock()``, the
   ``locks break`` command or the admin; ``token`` is the fencing token of the
   lease broken when the breaker named it (the command and the admin always
@@ -41,6 +56,8 @@ from django.dispatch import Signal
 lock_acquired = Signal()
 lock_released = Signal()
 lock_lost = Signal()
+lock_timeout = Signal()
+lock_detached = Signal()
 lock_broken = Signal()
 task_skipped = Signal()
 task_deferred = Signal()

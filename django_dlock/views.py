@@ -30,7 +30,7 @@ from django.http import HttpRequest, HttpResponse
 from . import conf, holders, keys
 from .exceptions import LockTimeout
 from .handler import locks
-from .keys import KeyTemplate
+from .keys import KeyTemplate, templated
 from .lock import Lock
 from .semaphores import Semaphore
 
@@ -131,7 +131,8 @@ class _Guard:
     ) -> Any:
         name = view_lock_name(self.template, request, view_kwargs)
         try:
-            held = self.lock.acquire_handle(name=name)
+            with templated(self.template.template):
+                held = self.lock.acquire_handle(name=name)
         except LockTimeout:
             return locked_response(name, self.backend, self.status, limit=self.limit)
         try:
@@ -144,7 +145,8 @@ class _Guard:
     ) -> Any:
         name = view_lock_name(self.template, request, view_kwargs)
         try:
-            held = await self.lock.aacquire_handle(name=name)  # native where the backend is
+            with templated(self.template.template):
+                held = await self.lock.aacquire_handle(name=name)  # native where the backend is
         except LockTimeout:
             return await asyncio.to_thread(
                 functools.partial(locked_response, limit=self.limit),

@@ -1,10 +1,12 @@
-"""URLs for tests/test_views.py."""
+"""URLs for tests/test_views.py, and the metrics view for tests/test_prometheus.py."""
 
 from django.urls import path
 
+from django_dlock.contrib.prometheus import metrics_view
 from tests import views
 
 urlpatterns = [
+    path("metrics", metrics_view),
     path("order/<int:order_id>/", views.order),
     path("redis/order/<int:order_id>/", views.order_redis),
     path("409/order/<int:order_id>/", views.order_409),

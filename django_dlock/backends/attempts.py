@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..exceptions import BackendUnavailable, LockNotOwned, LockTimeout
 from ..handle import HeldLock
+from ..keys import acquiring_template
+from ..signals import lock_timeout
 from .types import Grant
 
 if TYPE_CHECKING:
@@ -109,6 +111,10 @@ class Attempt:
         self.holder = holder
         self.renew = renew
         self.waits = 0
+        #: When the acquisition began (``time.monotonic()``), and whether the
+        #: lock service has refused it yet: what ``lock_acquired`` reports.
+        self.started = time.monotonic()
+        self.contended = False
         #: Set when an async caller whose acquisition runs in a worker thread
         #: stops waiting: the loop gives up at its next step (after the wait
         #: under way, which each backend bounds) and leaves any queue.
@@ -188,6 +194,7 @@ class Attempt:
                     self.release()  # as in _steps
                 except Exception:
                     logger.debug("Could not release a late grant of %r", self.name)
+        self.contended = True
         steps = self._steps(timeout, deadline, refused=True)
         return self._drive(steps, None, next(steps))
 
@@ -293,6 +300,7 @@ class Attempt:
                     )
                 if remaining is not None and remaining <= 0 and (refused or failure):
                     if failure is None:
+                        self._timed_out()
                         raise LockTimeout(
                             f"Could not acquire lock {name!r} on backend {alias!r} "
                             f"within {timeout:g}s.",
@@ -364,7 +372,7 @@ class Attempt:
                             # all, so wait again (the holder that follows
                             # counts as refusing us).
                             result = None
-                            refused = True
+                            refused = self.contended = True
                             continue
                         break
                     # Granted, but the reply came after the lease ran out by
@@ -375,7 +383,7 @@ class Attempt:
                     except Exception:
                         logger.debug("Could not release a late grant of %r", name)
                     result = None
-                refused = True
+                refused = self.contended = True
         except BaseException as e:
             # An error that says the attempt took no effect is not unknown.
             # Nor is one the service refuses every time (a wrong password,
@@ -393,6 +401,17 @@ class Attempt:
                     logger.warning("Could not %s the attempt on %r on %r", step, name, alias)
             raise
         return held
+
+    def _timed_out(self) -> None:
+        """Send ``lock_timeout``: the deadline passed with the lock held by others."""
+        if lock_timeout.receivers:
+            lock_timeout.send(
+                sender=type(self.backend),
+                backend=self.alias,
+                name=self.name,
+                waited=time.monotonic() - self.started,
+                template=acquiring_template.get(),
+            )
 
     def _arrived_late(self, result: int | Grant, sent: float) -> bool:
         """Did the grant's reply come after its lease had run out by our clock?
@@ -423,6 +442,7 @@ class Attempt:
         return HeldLock(
             self.backend, self.name, self.owner, token,
             ttl=self.ttl, expires=expires, lease=lease, holder=self.holder[0], renew=self.renew,
+            waited=time.monotonic() - self.started, contended=self.contended,
         )  # fmt: skip
 
 

@@ -1,0 +1,1 @@
+"""Optional integrations: each module needs its own extra installed."""

@@ -1,0 +1,321 @@
+"""Prometheus metrics for django-dlock, from its signals (``prometheus_client``).
+
+Turn them on by adding ``"django_dlock.contrib.prometheus"`` to
+``INSTALLED_APPS`` (the metrics go to ``prometheus_client``'s default
+registry), or by calling :func:`install` yourself. Until then nothing is
+connected: the signals have no receivers, and sending one without receivers
+costs a length check.
+
+Every metric is labelled by ``backend`` (the alias) and ``pattern``: the key
+template a name was made from (``"invoice:{invoice_id}"`` for ``@lock``,
+``@locked_task`` and guarded views), else :func:`name_pattern` of the name.
+Never the full name: one label value per invoice would grow without bound.
+A process keeps at most ``max_patterns`` distinct patterns; further ones are
+counted as ``"~other"``.
+
+========================================  =========  ==========================================
+Metric                                    Type       What
+========================================  =========  ==========================================
+``dlock_acquisitions_total``              counter    leases granted
+``dlock_contended_acquisitions_total``    counter    of those, refused at least once first
+``dlock_timeouts_total``                  counter    acquisitions that gave up at their deadline
+                                                     (one-shot tries, ``timeout=0``, included)
+``dlock_leases_lost_total``               counter    leases their holder found gone
+``dlock_breaks_total``                    counter    leases broken by an operator
+``dlock_tasks_skipped_total``             counter    locked task calls skipped; label ``scope``
+``dlock_tasks_deferred_total``            counter    locked task calls parked for later
+``dlock_wait_seconds``                    histogram  time from the start of an acquisition to
+                                                     its grant or timeout; label ``outcome``
+                                                     (``acquired`` or ``timeout``)
+``dlock_hold_seconds``                    histogram  time from grant to release, hand-over
+                                                     (``detach()``) or loss
+``dlock_held_leases``                     gauge      leases held by this process now
+``dlock_watchdog_lag_seconds``            gauge      how late this process's watchdog sends
+                                                     renewals (0 when on time); ``backend`` only
+========================================  =========  ==========================================
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+
+try:
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        REGISTRY,
+        CollectorRegistry,
+        Counter,
+        Histogram,
+        generate_latest,
+    )
+    from prometheus_client.core import GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "django_dlock.contrib.prometheus needs prometheus_client: "
+        "pip install 'django-dlock[prometheus]'."
+    ) from e
+
+from ... import signals
+from ...handle import HeldLock
+from ...watchdog import get_watchdog
+
+#: Pattern label for names beyond a process's ``max_patterns``.
+OTHER = "~other"
+#: Distinct patterns a process labels by, by default.
+MAX_PATTERNS = 200
+#: Buckets of ``dlock_wait_seconds``: a grant on the first try is a round
+#: trip (milliseconds); a contended wait lasts as long as a holder's work.
+WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 300)
+#: Buckets of ``dlock_hold_seconds``.
+HOLD_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600)
+
+LABELS = ("backend", "pattern")
+
+
+def name_pattern(name: str) -> str:
+    """The pattern of a name not made from a template: ``"invoice:42"`` -> ``"invoice:*"``.
+
+    The part before the first ``:``, then ``:*``; a name without ``:`` is its
+    own pattern (fixed names such as ``"nightly-report"``).
+    """
+    head, sep, _ = name.partition(":")
+    return f"{head}:*" if sep else name
+
+
+class Metrics:
+    """The metrics of one :func:`install`: its receivers and collectors."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        pattern: Callable[[str], str] = name_pattern,
+        max_patterns: int = MAX_PATTERNS,
+    ) -> None:
+        if max_patterns < 1:
+            raise ValueError(f"max_patterns must be at least 1, not {max_patterns!r}.")
+        self.registry = registry
+        self.pattern_of_name = pattern
+        self.max_patterns = max_patterns
+        self._patterns: set[str] = set()
+        self._mutex = threading.Lock()
+        # Handles granted here, with their labels: the held-leases gauge
+        # counts those still held when scraped (a detached or dropped handle
+        # sends no signal, so counting up and down would drift).
+        self._held: weakref.WeakKeyDictionary[HeldLock, tuple[str, str]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.backends: set[str] = set()
+        kw: dict[str, Any] = {"registry": registry}
+        self.acquisitions = Counter("dlock_acquisitions", "Leases granted.", LABELS, **kw)
+        self.contended = Counter(
+            "dlock_contended_acquisitions",
+            "Leases granted after the lock service refused at least once.",
+            LABELS,
+            **kw,
+        )
+        self.timeouts = Counter(
+            "dlock_timeouts", "Acquisitions that gave up at their deadline.", LABELS, **kw
+        )
+        self.lost = Counter("dlock_leases_lost", "Leases their holder found gone.", LABELS, **kw)
+        self.breaks = Counter("dlock_breaks", "Leases broken by an operator.", LABELS, **kw)
+        self.skipped = Counter(
+            "dlock_tasks_skipped",
+            "Locked task calls skipped because their lock was held.",
+            (*LABELS, "scope"),
+            **kw,
+        )
+        self.deferred = Counter(
+            "dlock_tasks_deferred", "Locked task calls parked for later.", LABELS, **kw
+        )
+        self.wait = Histogram(
+            "dlock_wait_seconds",
+            "Seconds from the start of an acquisition to its grant or timeout.",
+            (*LABELS, "outcome"),
+            buckets=WAIT_BUCKETS,
+            **kw,
+        )
+        self.hold = Histogram(
+            "dlock_hold_seconds",
+            "Seconds from a grant to its release, hand-over or loss.",
+            LABELS,
+            buckets=HOLD_BUCKETS,
+            **kw,
+        )
+        self.state = _StateCollector(self)
+        registry.register(self.state)
+        self._receivers: list[tuple[Any, Callable[..., None]]] = [
+            (signals.lock_acquired, self.on_acquired),
+            (signals.lock_released, self.on_released),
+            (signals.lock_lost, self.on_lost),
+            (signals.lock_detached, self.on_released),
+            (signals.lock_timeout, self.on_timeout),
+            (signals.lock_broken, self.on_broken),
+            (signals.task_skipped, self.on_skipped),
+            (signals.task_deferred, self.on_deferred),
+        ]
+
+    def connect(self) -> None:
+        for signal, receiver in self._receivers:
+            signal.connect(receiver, weak=False, dispatch_uid=(id(self), receiver.__name__))
+
+    def disconnect(self) -> None:
+        for signal, receiver in self._receivers:
+            signal.disconnect(receiver, dispatch_uid=(id(self), receiver.__name__))
+        for collector in (
+            self.acquisitions, self.contended, self.timeouts, self.lost, self.breaks,
+            self.skipped, self.deferred, self.wait, self.hold, self.state,
+        ):  # fmt: skip
+            self.registry.unregister(collector)
+
+    def pattern(self, name: str, template: str | None) -> str:
+        """The ``pattern`` label for ``name``: its template, else ``pattern_of_name(name)``."""
+        pattern = template if template is not None else self.pattern_of_name(name)
+        if pattern in self._patterns:
+            return pattern
+        with self._mutex:
+            if len(self._patterns) >= self.max_patterns:
+                return OTHER
+            self._patterns.add(pattern)
+        return pattern
+
+    def _labels(self, backend: str, name: str, template: str | None) -> tuple[str, str]:
+        self.backends.add(backend)
+        return backend, self.pattern(name, template)
+
+    # --- receivers --------------------------------------------------------------------
+
+    def on_acquired(
+        self, backend: str, name: str, held: HeldLock, waited: float = 0.0, **kwargs: Any
+    ) -> None:
+        labels = self._labels(backend, name, held.template)
+        with self._mutex:
+            self._held[held] = labels
+        self.acquisitions.labels(*labels).inc()
+        if held.contended:
+            self.contended.labels(*labels).inc()
+        self.wait.labels(*labels, "acquired").observe(waited)
+
+    def on_released(self, backend: str, name: str, held: HeldLock, **kwargs: Any) -> None:
+        self._ended(backend, name, held, kwargs.get("held_for"))
+
+    def on_lost(self, backend: str, name: str, held: HeldLock, **kwargs: Any) -> None:
+        labels = self._ended(backend, name, held, kwargs.get("held_for"))
+        self.lost.labels(*labels).inc()
+
+    def _ended(
+        self, backend: str, name: str, held: HeldLock, held_for: float | None
+    ) -> tuple[str, str]:
+        labels = self._labels(backend, name, held.template)
+        with self._mutex:
+            self._held.pop(held, None)
+        if held_for is None:
+            held_for = time.monotonic() - held.acquired_at
+        self.hold.labels(*labels).observe(held_for)
+        return labels
+
+    def on_timeout(
+        self, backend: str, name: str, waited: float, template: str | None = None, **kwargs: Any
+    ) -> None:
+        labels = self._labels(backend, name, template)
+        self.timeouts.labels(*labels).inc()
+        self.wait.labels(*labels, "timeout").observe(waited)
+
+    def on_broken(self, backend: str, name: str, **kwargs: Any) -> None:
+        self.breaks.labels(*self._labels(backend, name, None)).inc()
+
+    def on_skipped(
+        self, backend: str, name: str, scope: str = "run", template: str | None = None, **kw: Any
+    ) -> None:
+        self.skipped.labels(*self._labels(backend, name, template), scope).inc()
+
+    def on_deferred(
+        self, backend: str, name: str, template: str | None = None, **kwargs: Any
+    ) -> None:
+        self.deferred.labels(*self._labels(backend, name, template)).inc()
+
+    # --- scraped ----------------------------------------------------------------------
+
+    def held_now(self) -> dict[tuple[str, str], int]:
+        """Leases this process holds now, by (backend, pattern)."""
+        with self._mutex:
+            entries = list(self._held.items())
+        counts: dict[tuple[str, str], int] = {}
+        for held, labels in entries:
+            if not (held.released or held.detached or held.lost):
+                counts[labels] = counts.get(labels, 0) + 1
+        return counts
+
+
+class _StateCollector(Collector):
+    """``dlock_held_leases`` and ``dlock_watchdog_lag_seconds``, read when scraped."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        held = GaugeMetricFamily(
+            "dlock_held_leases", "Leases this process holds now.", labels=LABELS
+        )
+        for labels, count in sorted(self.metrics.held_now().items()):
+            held.add_metric(labels, count)
+        yield held
+        lag = GaugeMetricFamily(
+            "dlock_watchdog_lag_seconds",
+            "Seconds late this process's watchdog sends renewals (0: on time).",
+            labels=("backend",),
+        )
+        lagging = get_watchdog().lagging()
+        for alias in sorted(self.metrics.backends | set(lagging)):
+            lag.add_metric((alias,), lagging.get(alias, 0.0))
+        yield lag
+
+
+_installed: Metrics | None = None
+_install_mutex = threading.Lock()
+
+
+def install(
+    registry: CollectorRegistry | None = None,
+    *,
+    pattern: Callable[[str], str] = name_pattern,
+    max_patterns: int = MAX_PATTERNS,
+) -> Metrics:
+    """Register the metrics in ``registry`` (default: prometheus_client's) and connect them.
+
+    ``pattern`` maps a name not made from a template to its label. Once per
+    process: a second call returns the metrics already installed, unless
+    :func:`uninstall` came first.
+    """
+    global _installed
+    with _install_mutex:
+        if _installed is None:
+            metrics = Metrics(REGISTRY if registry is None else registry, pattern, max_patterns)
+            metrics.connect()
+            _installed = metrics
+        return _installed
+
+
+def uninstall() -> None:
+    """Disconnect the metrics and unregister them from their registry."""
+    global _installed
+    with _install_mutex:
+        if _installed is not None:
+            _installed.disconnect()
+            _installed = None
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """The installed metrics' registry in Prometheus's text format, for a URLconf.
+
+    Any metrics endpoint of that registry serves them as well
+    (``prometheus_client.start_http_server``, django-prometheus's view).
+    """
+    registry = _installed.registry if _installed is not None else REGISTRY
+    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
