@@ -112,6 +112,7 @@ class Metrics:
             weakref.WeakKeyDictionary()
         )
         self.backends: set[str] = set()
+        self._per_labels: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
         kw: dict[str, Any] = {"registry": registry}
         self.acquisitions = Counter("dlock_acquisitions", "Leases granted.", LABELS, **kw)
         self.contended = Counter(
@@ -191,16 +192,29 @@ class Metrics:
 
     # --- receivers --------------------------------------------------------------------
 
+    def _children(self, labels: tuple[str, str]) -> tuple[Any, Any, Any, Any]:
+        """The children a grant and its release update, made once per label pair."""
+        children = self._per_labels.get(labels)
+        if children is None:
+            children = self._per_labels[labels] = (
+                self.acquisitions.labels(*labels),
+                self.contended.labels(*labels),
+                self.wait.labels(*labels, "acquired"),
+                self.hold.labels(*labels),
+            )
+        return children
+
     def on_acquired(
         self, backend: str, name: str, held: HeldLock, waited: float = 0.0, **kwargs: Any
     ) -> None:
         labels = self._labels(backend, name, held.template)
         with self._mutex:
             self._held[held] = labels
-        self.acquisitions.labels(*labels).inc()
+        acquisitions, contended, wait, _ = self._children(labels)
+        acquisitions.inc()
         if held.contended:
-            self.contended.labels(*labels).inc()
-        self.wait.labels(*labels, "acquired").observe(waited)
+            contended.inc()
+        wait.observe(waited)
 
     def on_released(self, backend: str, name: str, held: HeldLock, **kwargs: Any) -> None:
         self._ended(backend, name, held, kwargs.get("held_for"))
@@ -217,7 +231,7 @@ class Metrics:
             self._held.pop(held, None)
         if held_for is None:
             held_for = time.monotonic() - held.acquired_at
-        self.hold.labels(*labels).observe(held_for)
+        self._children(labels)[3].observe(held_for)
         return labels
 
     def on_timeout(
