@@ -21,19 +21,21 @@ also pass ``held`` (the :class:`~django_dlock.lock.HeldLock`).
   ``timeout=0``, counts). No ``token`` or ``held``; ``waited`` (seconds) and
   ``template`` (the key template of the name, or None) instead.
 
-A handle's ``template`` attribute is the key template its name was made from
-(by ``@lock``, ``@locked_task`` or a guarded view), or None: what
-``django_dlock.contrib.prometheus`` labels its metrics by instead of the name.
 - ``lock_broken``: an operator broke a lease with ``break_lock()``, the
   ``locks break`` command or the admin; ``token`` is the fencing token of the
   lease broken when the breaker named it (the command and the admin always
   do), else None.
 
+A handle's ``template`` attribute is the key template its name was made from
+(by ``@lock``, ``@locked_task`` or a guarded view), or None: what
+``django_dlock.contrib.prometheus`` labels its metrics by instead of the name.
+
 ``task_skipped`` is sent by ``django_dlock.celery`` when a locked task call is
 skipped because its lock is held (``on_locked="skip"``), with ``sender`` = the
 task class and ``task`` (the task), ``task_id``, ``name`` (the lock key),
 ``backend``, ``scope`` (``"run"``: the body did not run; ``"queue"``: the
-message was not sent), ``args`` and ``kwargs``.
+message was not sent), ``args``, ``kwargs`` and ``template`` (the task's key
+template, else ``"<task name>:*"``).
 
 ``task_deferred`` is sent by ``django_dlock.celery`` when a call of a task
 with ``on_locked="defer"`` was parked (its message is acknowledged; it will be

@@ -31,7 +31,14 @@ from django_dlock import (
     locks,
 )
 from django_dlock.backends.base import Attempt, BaseLockBackend
-from django_dlock.signals import lock_acquired, lock_broken, lock_lost, lock_released
+from django_dlock.signals import (
+    lock_acquired,
+    lock_broken,
+    lock_detached,
+    lock_lost,
+    lock_released,
+    lock_timeout,
+)
 
 # Leases that must expire during a test are this short (or the backend's
 # shortest lease), and tests wait twice that, plus how late the backend may
@@ -492,6 +499,59 @@ def test_signals(backend_alias: str, name: str) -> None:
         lock_acquired.disconnect(acquired)
         lock_released.disconnect(released)
     assert events == [("acquired", name, held.token), ("released", name, held.token)]
+
+
+def test_signals_describe_waits_timeouts_and_holds(backend_alias: str, name: str) -> None:
+    """A timeout, a contended grant, a release and a hand-over, with their timings."""
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    def on(kind: str) -> Any:
+        def receiver(sender: Any, **kwargs: Any) -> None:
+            if kwargs["name"] == name:
+                events.append((kind, kwargs))
+
+        return receiver
+
+    receivers = {
+        s: on(kind)
+        for s, kind in [
+            (lock_acquired, "acquired"),
+            (lock_released, "released"),
+            (lock_timeout, "timeout"),
+            (lock_detached, "detached"),
+        ]
+    }
+    for signal, receiver in receivers.items():
+        signal.connect(receiver)
+    try:
+        holder = lock(name, backend=backend_alias).acquire()
+        with pytest.raises(LockTimeout):
+            lock(name, backend=backend_alias, timeout=0.2).acquire()
+        threading.Timer(0.3, holder.release).start()
+        with lock(name, backend=backend_alias, timeout=10) as held:
+            time.sleep(0.05)
+        again = lock(name, backend=backend_alias).acquire()
+        locks[backend_alias].release_ticket(again.detach())
+    finally:
+        for signal, receiver in receivers.items():
+            signal.disconnect(receiver)
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for kind, kwargs in events:
+        by_kind.setdefault(kind, []).append(kwargs)
+    # The holder's lock_released and the waiter's lock_acquired come from two
+    # threads (a fair lock hands over before its holder's release returns).
+    assert {k: len(v) for k, v in by_kind.items()} == {
+        "acquired": 3, "released": 2, "timeout": 1, "detached": 1
+    }  # fmt: skip
+    first, granted, _ = by_kind["acquired"]
+    (released,) = [kw for kw in by_kind["released"] if kw["token"] == held.token]
+    (timeout,), (detached,) = by_kind["timeout"], by_kind["detached"]
+    assert first["contended"] is False and first["waited"] < 5
+    assert timeout["waited"] >= 0.2 and timeout["template"] is None
+    assert granted["contended"] is True and granted["waited"] >= 0.25
+    assert granted["held"] is held and held.template is None
+    assert released["token"] == held.token and released["held_for"] >= 0.05
+    assert detached["token"] == again.token and detached["held_for"] >= 0
 
 
 def test_release_twice_is_a_no_op_and_ensure_after_release_raises(
