@@ -308,7 +308,8 @@ class LockedTask(Task):  # type: ignore[misc]
     def _adopt(self, ticket: Mapping[str, Any]) -> HeldLock | None:
         try:
             backend = locks[ticket["backend"]]
-            return backend.adopt(ticket, ttl=self.lock_options.ttl or backend.default_ttl)
+            with templated(self.lock_pattern()):
+                return backend.adopt(ticket, ttl=self.lock_options.ttl or backend.default_ttl)
         except LockLost:
             # It ran out or was broken before the task started, or another
             # delivery of this message adopted it (a redelivery): on_locked decides.

@@ -20,9 +20,11 @@ from django.conf import settings
 from django.test import Client, override_settings
 
 from django_dlock import lock, locks, signals
-from django_dlock.celery import locked_task
+from django_dlock.celery import HEADER, locked_task
 from django_dlock.exceptions import LockLost, LockTimeout
+from django_dlock.keys import templated
 from django_dlock.watchdog import LAG_PREFIX, get_watchdog
+from tests import tasks
 
 prometheus_client = pytest.importorskip(
     "prometheus_client", reason="prometheus_client is not installed (the prometheus extra)"
@@ -187,6 +189,21 @@ def test_skipped_and_deferred_task_calls(metrics: prometheus.Metrics, redis_serv
     defer(deferring, f"metrics-defer:{key}", key)
     labels = {"backend": "celery", "pattern": "metrics-defer:{key}"}
     assert value(metrics, "dlock_tasks_deferred_total", **labels) == 1
+
+
+def test_a_queue_lease_adopted_by_its_run_keeps_the_task_pattern(
+    metrics: prometheus.Metrics, redis_servers: Any, tmp_path: Any
+) -> None:
+    """The lease taken at enqueue is detached; the run adopts it: both under the key template."""
+    key = uuid.uuid4().hex[:8]
+    log = str(tmp_path / "log")
+    with templated("dedup-q:{key}"):
+        ticket = locks["celery"].acquire(f"dedup-q:{key}", ttl=30, renew=False).detach()
+    tasks.dedup_queued.apply((key, log), headers={HEADER: ticket})
+    labels = {"backend": "celery", "pattern": "dedup-q:{key}"}
+    assert value(metrics, "dlock_acquisitions_total", **labels) == 2
+    assert value(metrics, "dlock_hold_seconds_count", **labels) == 2
+    assert value(metrics, "dlock_acquisitions_total", backend="celery", pattern="dedup-q:*") == 0
 
 
 def defer(task: Any, name: str, key: str) -> None:
