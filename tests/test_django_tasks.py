@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from django_dlock.signals import lock_acquired, task_skipped
 
 pytest.importorskip(
     "django_dlock.tasks",
+    exc_type=ImportError,
     reason="Django's task framework is not installed: Django 6+ or the django-tasks package",
 )
 
@@ -73,6 +75,28 @@ def status(result: Any) -> str:
 
 
 # --- definition ---------------------------------------------------------------------------
+
+
+def test_django_6_uses_its_own_framework_and_older_django_the_package() -> None:
+    import django
+
+    module = "django.tasks.base" if django.VERSION >= (6,) else "django_tasks.base"
+    assert LockedTask.__mro__[1].__module__ == module
+
+
+def test_without_a_framework_the_import_error_says_what_to_install() -> None:
+    code = (
+        "import sys\n"
+        "for name in ('django.tasks', 'django_tasks'): sys.modules[name] = None\n"
+        "import django_dlock.tasks\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 1
+    assert "ImportError: django_dlock.tasks needs Django's task framework" in done.stderr
+    assert "django-dlock[tasks]" in done.stderr
 
 
 @pytest.mark.django_db
@@ -264,6 +288,20 @@ def test_a_ticket_that_ran_out_is_acquired_afresh(key: str, log: str) -> None:
     assert locks["locmem"].get(name) is None
 
 
+@pytest.mark.django_db
+def test_the_queue_lease_covers_the_wait_until_run_after(key: str, log: str) -> None:
+    if "db" not in getattr(settings, "TASKS", {}):
+        pytest.skip("django-tasks-db is not installed (ImmediateBackend has no run_after)")
+    later = datetime.now(timezone.utc) + timedelta(seconds=120)
+    result = ft.queued.using(backend="db", run_after=later).enqueue(key, log)
+    assert result is not None  # enqueued, not run: no worker here
+    lease = locks["locmem"].get(f"queue:{key}")
+    assert lease is not None
+    assert 120 < lease.expires_in <= 130  # ttl=10 plus the wait
+    assert ft.queued.enqueue(key, log) is None  # a duplicate meanwhile is skipped
+    locks["locmem"].break_lock(f"queue:{key}")
+
+
 def test_the_ticket_kwarg_is_reserved(key: str, log: str) -> None:
     with pytest.raises(TypeError, match="reserved"):
         ft.queued.enqueue(key, log, **{TICKET_KWARG: {}})
@@ -275,6 +313,12 @@ def test_enqueue_failure_releases_the_queue_lease(key: str, log: str) -> None:
         with pytest.raises(Exception, match="not valid"):
             ft.queued.enqueue(key, log)
     assert locks["locmem"].get(f"queue:{key}") is None
+
+
+def test_acall_locks_like_call(key: str, log: str) -> None:
+    token = async_to_sync(ft.skipping.acall)(key, log)
+    assert read_log(log)[0]["token"] == token
+    assert locks["locmem"].get(f"skip:{key}") is None
 
 
 def test_async_enqueue_and_task(key: str, log: str) -> None:
