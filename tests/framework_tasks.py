@@ -9,7 +9,11 @@ in every process.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from django.conf import settings
+from django.utils.module_loading import import_string
 
 from django_dlock.tasks import current_lock, locked_task
 from tests.tasks import record, wait_for_file
@@ -80,3 +84,20 @@ def dedup(key: str, log: str, go: str | None = None) -> int:
 @locked_task(key="dedup-q:{key}", backend="db-sqlite", ttl=30, scope="queue")
 def dedup_queued(key: str, log: str, go: str | None = None) -> int:
     return _body(key, log, go)
+
+
+@locked_task(key="short:{key}", backend="locmem", scope="queue", ttl=1)
+def queued_briefly(key: str, log: str) -> int:
+    return _body(key, log, None)
+
+
+ImmediateBackend = import_string(settings.TASKS["default"]["BACKEND"])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OtherTask(ImmediateBackend.task_class):  # type: ignore[misc,name-defined]
+    """A task class of its own, as some backends have."""
+
+
+class OtherTaskBackend(ImmediateBackend):  # type: ignore[misc,valid-type]
+    task_class = OtherTask

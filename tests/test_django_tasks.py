@@ -151,6 +151,13 @@ def test_task_options_pass_through_and_task_backend_names_the_tasks_alias() -> N
         locked_task(task_backend="nope")(ft.bare.func)
 
 
+def test_a_backend_with_its_own_task_class_is_refused() -> None:
+    tasks = {**settings.TASKS, "other": {"BACKEND": "tests.framework_tasks.OtherTaskBackend"}}
+    with override_settings(TASKS=tasks):
+        with pytest.raises(TypeError, match="makes OtherTask tasks"):
+            locked_task(task_backend="other")(ft.bare.func)
+
+
 def test_using_keeps_the_lock_options() -> None:
     again = ft.queued.using(priority=3)
     assert isinstance(again, LockedTask)
@@ -300,6 +307,21 @@ def test_the_queue_lease_covers_the_wait_until_run_after(key: str, log: str) -> 
     assert 120 < lease.expires_in <= 130  # ttl=10 plus the wait
     assert ft.queued.enqueue(key, log) is None  # a duplicate meanwhile is skipped
     locks["locmem"].break_lock(f"queue:{key}")
+
+
+@pytest.mark.django_db
+def test_a_queue_lease_whose_task_never_runs_runs_out(key: str, log: str) -> None:
+    if "db" not in getattr(settings, "TASKS", {}):
+        pytest.skip("django-tasks-db is not installed (ImmediateBackend runs every task)")
+    task = ft.queued_briefly.using(backend="db")  # no worker: it never runs
+    assert task.enqueue(key, log) is not None
+    assert task.enqueue(key, log) is None
+    deadline = time.monotonic() + 5
+    while locks["locmem"].get(f"short:{key}") is not None:  # not renewed: ttl=1
+        assert time.monotonic() < deadline, "the queue lease was renewed"
+        time.sleep(0.1)
+    assert task.enqueue(key, log) is not None  # so a duplicate can be enqueued then
+    locks["locmem"].break_lock(f"short:{key}")
 
 
 def test_the_ticket_kwarg_is_reserved(key: str, log: str) -> None:
