@@ -14,11 +14,12 @@ also pass ``held`` (the :class:`~django_dlock.lock.HeldLock`).
   lease broken when the breaker named it (the command and the admin always
   do), else None.
 
-``task_skipped`` is sent by ``django_dlock.celery`` when a locked task call is
-skipped because its lock is held (``on_locked="skip"``), with ``sender`` = the
-task class and ``task`` (the task), ``task_id``, ``name`` (the lock key),
-``backend``, ``scope`` (``"run"``: the body did not run; ``"queue"``: the
-message was not sent), ``args`` and ``kwargs``.
+``task_skipped`` is sent by ``django_dlock.celery`` and ``django_dlock.tasks``
+(Django's task framework) when a locked task call is skipped because its lock
+is held (``on_locked="skip"``), with ``sender`` = the task class and ``task``
+(the task), ``task_id``, ``name`` (the lock key), ``backend``, ``scope``
+(``"run"``: the body did not run; ``"queue"``: the message was not sent, or
+the task not enqueued), ``args`` and ``kwargs``.
 
 ``task_deferred`` is sent by ``django_dlock.celery`` when a call of a task
 with ``on_locked="defer"`` was parked (its message is acknowledged; it will be
