@@ -57,7 +57,7 @@ from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 from asgiref.sync import sync_to_async
 
@@ -80,6 +80,7 @@ try:
         TaskResult,
     )
     from django.tasks.signals import task_finished, task_started
+    from django.utils.json import normalize_json
 except ImportError:
     try:
         from django_tasks import task_backends  # type: ignore[no-redef,assignment,unused-ignore]
@@ -94,6 +95,7 @@ except ImportError:
             task_finished,
             task_started,
         )
+        from django_tasks.utils import normalize_json  # type: ignore[no-redef,unused-ignore]
     except ImportError as e:
         raise ImportError(
             "django_dlock.tasks needs Django's task framework: Django 6.0 or later "
@@ -247,8 +249,8 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
         key = self.lock_key(call_args, kwargs)
         task_id = self._task_id(args)
         held = None
-        if isinstance(ticket, Mapping) and ticket.get("name") == key:
-            held = self._adopt(ticket)
+        if isinstance(ticket, Mapping):
+            held = self._adopt(ticket, key)
         if held is None:
             held = self._acquire(key, self.lock_options.ttl, True, task_id, call_args, kwargs)
             if held is None:
@@ -274,7 +276,16 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
             return None
         return getattr(result, "id", None)
 
-    def _adopt(self, ticket: Mapping[str, Any]) -> HeldLock | None:
+    def _adopt(self, ticket: Mapping[str, Any], key: str) -> HeldLock | None:
+        if ticket.get("name") != key:
+            # Not this call's lease (a ticket passed by hand): give it back
+            # rather than let it block this key until it runs out.
+            logger.warning(
+                "The lock ticket of %s names %r, not this call's %r: releasing it.",
+                self.module_path, ticket.get("name"), key,
+            )  # fmt: skip
+            _release_ticket(ticket)
+            return None
         try:
             backend = locks[ticket["backend"]]
             return backend.adopt(ticket, ttl=self.lock_options.ttl or backend.default_ttl)
@@ -298,7 +309,12 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
         """
         options = self.lock_options
         scope = "run" if renew else "queue"
-        metadata = {"task_id": task_id, "task_name": self.module_path, "scope": scope}
+        metadata = {
+            "task_id": task_id,
+            "task_name": self.module_path,
+            "worker": _worker_id(task_id),
+            "scope": scope,
+        }
         try:
             if options.key:
                 with keys.templated(options.key):
@@ -338,7 +354,11 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
             return Task.enqueue(self, *args, **kwargs)
         if TICKET_KWARG in kwargs:
             raise TypeError(f"{TICKET_KWARG!r} is reserved for the lock's ticket.")
-        key = self.lock_key(args, kwargs)
+        # The key of the arguments as the worker will get them (JSON: a tuple
+        # arrives as a list), so that the run finds its ticket's name.
+        key = self.lock_key(
+            normalize_json(list(args)), cast(dict[str, Any], normalize_json(kwargs))
+        )
         backend = locks[self.lock_options.backend]
         # The lease covers the wait in the queue, and the wait until run_after.
         ttl = (self.lock_options.ttl or backend.default_ttl) + _delay(self.run_after)
@@ -429,6 +449,15 @@ def _delay(run_after: datetime | None) -> float:
     if run_after.tzinfo is None:
         run_after = run_after.replace(tzinfo=timezone.utc)
     return max((run_after - datetime.now(timezone.utc)).total_seconds(), 0.0)
+
+
+def _worker_id(task_id: str | None) -> str | None:
+    """The id of the worker running ``task_id`` here, if the worker said (``task_started``)."""
+    result = _started.get()
+    if task_id is None or getattr(result, "id", None) != task_id:
+        return None
+    workers = getattr(result, "worker_ids", None)
+    return str(workers[-1]) if workers else None
 
 
 def _remember_started(sender: Any, task_result: TaskResult, **kwargs: Any) -> None:  # type: ignore[type-arg,unused-ignore]

@@ -324,6 +324,43 @@ def test_a_queue_lease_whose_task_never_runs_runs_out(key: str, log: str) -> Non
     locks["locmem"].break_lock(f"short:{key}")
 
 
+def test_queue_scope_keys_the_arguments_as_the_worker_gets_them(log: str) -> None:
+    """A tuple arrives as a list (JSON): the run must still find its own ticket."""
+    key = ("t", uuid.uuid4().hex[:8])
+    result = ft.queued.enqueue(key, log)
+    assert status(result) == "SUCCESSFUL"
+    assert result.return_value is not None
+    [event] = read_log(log)
+    assert event["name"] == f"queue:{list(key)}"
+    assert locks["locmem"].get(f"queue:{list(key)}") is None
+
+
+def test_a_ticket_for_another_key_is_given_back(key: str, log: str) -> None:
+    other = locks["locmem"].acquire(f"queue:{key}-other", renew=False).detach()
+    token = ft.queued.call(key, log, **{TICKET_KWARG: other})
+    assert token is not None
+    assert read_log(log)[0]["name"] == f"queue:{key}"
+    assert locks["locmem"].get(f"queue:{key}-other") is None
+
+
+def test_holder_metadata_names_the_task_the_run_and_the_worker(key: str, log: str) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def receiver(held: Any, **kwargs: Any) -> None:
+        seen.append(dict(held.holder))
+
+    lock_acquired.connect(receiver)
+    try:
+        result = ft.skipping.enqueue(key, log)
+    finally:
+        lock_acquired.disconnect(receiver)
+    [holder] = seen
+    assert holder["task_id"] == result.id
+    assert holder["task_name"] == "tests.framework_tasks.skipping"
+    assert holder["worker"] == result.worker_ids[-1]
+    assert holder["scope"] == "run"
+
+
 def test_the_ticket_kwarg_is_reserved(key: str, log: str) -> None:
     with pytest.raises(TypeError, match="reserved"):
         ft.queued.enqueue(key, log, **{TICKET_KWARG: {}})
