@@ -384,14 +384,20 @@ def locked_task(function: Callable[..., Any] | None = None, /, **options: Any) -
     """The framework's ``@task`` making a :class:`LockedTask`; its options pass through.
 
     Lock options are keywords (``key``, ``ttl``, ``backend``, ``on_locked``,
-    ``scope``, ``timeout``, ``limit``). ``backend`` is the lock backend alias;
-    the task backend (``TASKS`` alias), which shares the name in ``@task``,
-    is passed as ``task_backend=``. ``priority``, ``queue_name`` and
+    ``scope``, ``timeout``, ``limit``) or a ``lock={...}`` dict. ``backend``
+    is the lock backend alias; the task backend (``TASKS`` alias), which
+    shares the name in ``@task``, is passed as ``task_backend=``. ``priority``, ``queue_name`` and
     ``takes_context`` pass through. Works bare (``@locked_task``).
     """
-    lock = {
-        name: options.pop(name) for name in LockOptions.__dataclass_fields__ if name in options
-    }
+    given = options.pop("lock", None) or {}
+    if not isinstance(given, Mapping):
+        raise TypeError(f"lock options must be a dict, not {type(given).__name__}.")
+    lock = dict(given)
+    for name in LockOptions.__dataclass_fields__:
+        if name in options:
+            if name in lock:
+                raise TypeError(f"Lock option {name!r} is given twice.")
+            lock[name] = options.pop(name)
     task_backend = options.pop("task_backend", DEFAULT_TASK_BACKEND_ALIAS)
     passed = {"priority", "queue_name", "takes_context"}
     unknown = sorted(set(options) - passed)

@@ -136,6 +136,16 @@ def test_bad_options_fail_where_the_task_is_defined(
         locked_task(**options)(body)
 
 
+def test_lock_options_may_come_as_a_dict_as_with_celery() -> None:
+    task = locked_task(lock={"key": "d:{a}", "backend": "locmem", "ttl": 5})(ft.bare.func)
+    assert (task.lock_options.key, task.lock_options.backend) == ("d:{a}", "locmem")
+    assert task.lock_options.ttl == 5
+    with pytest.raises(TypeError, match="'key' is given twice"):
+        locked_task(lock={"key": "d:{a}"}, key="e:{a}")(ft.bare.func)
+    with pytest.raises(TypeError, match="must be a dict"):
+        locked_task(lock="d:{a}")(ft.bare.func)
+
+
 def test_positional_options_are_refused() -> None:
     with pytest.raises(TypeError, match="keyword options only"):
         locked_task("key:{a}")  # type: ignore[arg-type]
