@@ -30,11 +30,12 @@ A handle's ``template`` attribute is the key template its name was made from
 (by ``@lock``, ``@locked_task`` or a guarded view), or None: what
 ``django_dlock.contrib.prometheus`` labels its metrics by instead of the name.
 
-``task_skipped`` is sent by ``django_dlock.celery`` when a locked task call is
-skipped because its lock is held (``on_locked="skip"``), with ``sender`` = the
-task class and ``task`` (the task), ``task_id``, ``name`` (the lock key),
-``backend``, ``scope`` (``"run"``: the body did not run; ``"queue"``: the
-message was not sent), ``args``, ``kwargs`` and ``template`` (the task's key
+``task_skipped`` is sent by ``django_dlock.celery`` and ``django_dlock.tasks``
+(Django's task framework) when a locked task call is skipped because its lock
+is held (``on_locked="skip"``), with ``sender`` = the task class and ``task``
+(the task), ``task_id``, ``name`` (the lock key), ``backend``, ``scope``
+(``"run"``: the body did not run; ``"queue"``: the message was not sent, or
+the task not enqueued), ``args``, ``kwargs`` and ``template`` (the task's key
 template, else ``"<task name>:*"``).
 
 ``task_deferred`` is sent by ``django_dlock.celery`` when a call of a task

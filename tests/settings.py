@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from importlib.util import find_spec
 from typing import Any
 
 from testproject.settings import *  # noqa: F403
@@ -210,3 +211,21 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, Any] = {}
 CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", "cache+memory://")
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("DLOCK_TEST_CELERY_QUEUE", "dlock-tests")
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+# Django's task framework (django_dlock.tasks): Django 6's django.tasks, or the
+# django-tasks package before it. "default" runs each task at once, in
+# enqueue(); "db" is django-tasks-db's queue, which tests/test_django_tasks.py
+# runs with real `db_worker` processes.
+if find_spec("django.tasks") is not None:
+    TASKS_FRAMEWORK: str | None = "django.tasks"
+elif find_spec("django_tasks") is not None:
+    TASKS_FRAMEWORK = "django_tasks"
+else:
+    TASKS_FRAMEWORK = None
+if TASKS_FRAMEWORK is not None:
+    TASKS: dict[str, Any] = {
+        "default": {"BACKEND": f"{TASKS_FRAMEWORK}.backends.immediate.ImmediateBackend"},
+    }
+    if find_spec("django_tasks_db") is not None:
+        INSTALLED_APPS = [*INSTALLED_APPS, "django_tasks_db"]
+        TASKS["db"] = {"BACKEND": "django_tasks_db.DatabaseBackend"}

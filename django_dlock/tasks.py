@@ -1,0 +1,482 @@
+"""Django's task framework: ``@locked_task`` stops the same work from running twice.
+
+The only module of django-dlock that imports the task framework: Django's own
+``django.tasks`` (Django 6.0 and later) or, on Django 4.2-5.2, the
+``django-tasks`` package (``django_tasks``), which has the same API. The task
+it makes is a :class:`LockedTask`, a subclass of the framework's ``Task``, so
+``enqueue()``, ``using()``, ``get_result()`` and every backend work as usual.
+Lock options (``docs/django-tasks.md`` has the table):
+
+``key``
+    A template over the task's arguments, ``"sync:{account_id}"``. The
+    default is the task's module path and a hash of all its arguments.
+``ttl``
+    Lease length; the watchdog renews it while the body runs.
+``backend``
+    The ``DLOCK_BACKENDS`` alias. The *task* backend (``TASKS`` alias), which
+    shares the name in ``@task``, is passed as ``task_backend=``.
+``on_locked``
+    What a call does when its lock is held: ``"skip"`` (log, send
+    ``task_skipped``, return None), ``"raise"`` (``LockTimeout``) or
+    ``"wait"`` (up to ``timeout`` seconds). Celery's ``"retry"`` and
+    ``"defer"`` are refused where the task is defined: the task framework
+    has no retry, and deferred calls are parked and sent again through
+    Celery.
+``limit``
+    Run at most ``limit`` bodies per key at once (a semaphore) instead of one.
+``scope``
+    ``"run"``: the lock is held while the body runs. ``"queue"``: it is taken
+    in ``enqueue()``, so a duplicate is not even enqueued (``enqueue()``
+    returns None), travels with the task as a ticket (``HeldLock.detach()``)
+    in its keyword arguments, and is adopted by the worker that runs it and
+    released when the run ends.
+
+The queue-scope lifecycle, walked through in time:
+
+    t0  enqueue() takes "sync:7" for ttl seconds (plus the wait until
+        ``run_after``), not renewed, detaches it and enqueues the call with
+        the ticket as the keyword argument ``TICKET_KWARG``. If enqueueing
+        fails, the lease is released before the error propagates.
+    t1  A worker runs the call: the ticket is taken out of the keyword
+        arguments, and the lease adopted and renewed while the body runs.
+        ``current_lock().token`` is its fencing token.
+    t2  The body returns or raises: the lease is released.
+    --  A call that never runs (its worker is down, the result row deleted)
+        renews nothing, so its lease runs out after ttl: then a duplicate
+        may be enqueued. A call that runs after its lease ran out (or was
+        broken) acquires the lock as ``on_locked`` says instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, cast
+
+from asgiref.sync import sync_to_async
+
+from . import conf, keys
+from ._validation import validate_timeout, validate_ttl
+from .backends.slots import SlotView, validate_limit
+from .exceptions import LockLost, LockTimeout
+from .handle import HeldLock
+from .handler import locks
+from .keys import KeyTemplate
+from .signals import task_skipped
+
+try:
+    from django.tasks import task_backends
+    from django.tasks.base import (
+        DEFAULT_TASK_BACKEND_ALIAS,
+        DEFAULT_TASK_PRIORITY,
+        DEFAULT_TASK_QUEUE_NAME,
+        Task,
+        TaskResult,
+    )
+    from django.tasks.signals import task_finished, task_started
+    from django.utils.json import normalize_json
+except ImportError:
+    try:
+        from django_tasks import task_backends  # type: ignore[no-redef,assignment,unused-ignore]
+        from django_tasks.base import (  # type: ignore[no-redef,assignment,unused-ignore]
+            DEFAULT_TASK_BACKEND_ALIAS,
+            DEFAULT_TASK_PRIORITY,
+            DEFAULT_TASK_QUEUE_NAME,
+            Task,
+            TaskResult,
+        )
+        from django_tasks.signals import (  # type: ignore[no-redef,assignment,unused-ignore]
+            task_finished,
+            task_started,
+        )
+        from django_tasks.utils import normalize_json  # type: ignore[no-redef,unused-ignore]
+    except ImportError as e:
+        raise ImportError(
+            "django_dlock.tasks needs Django's task framework: Django 6.0 or later "
+            "(django.tasks), or the django-tasks package on Django 4.2-5.2 "
+            "(pip install 'django-dlock[tasks]')."
+        ) from e
+
+__all__ = ["TICKET_KWARG", "LockOptions", "LockedTask", "current_lock", "locked_task"]
+
+logger = logging.getLogger("django_dlock.tasks")
+
+#: The keyword argument that carries a queue-scope lease's ticket to the worker.
+TICKET_KWARG = "django_dlock_ticket"
+ON_LOCKED = ("skip", "raise", "wait")
+SCOPES = ("run", "queue")
+#: Celery's ``on_locked`` values that the task framework cannot honour, and why.
+CELERY_ONLY = {
+    "retry": "the task framework has no retry",
+    "defer": (
+        "deferred calls are parked in the lock service and sent again through Celery; "
+        "the task framework has no such hook"
+    ),
+}
+
+# The lease each running locked task holds in this context, innermost last.
+_running: ContextVar[tuple[HeldLock, ...]] = ContextVar("django_dlock_tasks_running", default=())
+# The result the worker announced (task_started) for the run under way here.
+_started: ContextVar[Any] = ContextVar("django_dlock_tasks_started", default=None)
+
+
+@dataclass(frozen=True)
+class LockOptions:
+    """The lock options of a locked task, validated."""
+
+    key: str | None = None
+    ttl: float | None = None
+    backend: str = conf.DEFAULT_ALIAS
+    on_locked: str = "skip"
+    scope: str = "run"
+    timeout: float | None = None
+    limit: int | None = None
+
+    @classmethod
+    def parse(cls, value: Mapping[str, Any], task: str = "the task") -> LockOptions:
+        """Validate the options given to ``locked_task``; errors name ``task``."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise TypeError(
+                f"Unknown lock options {unknown!r} for {task}; the options are {sorted(known)!r}."
+            )
+        key = value.get("key")
+        if key is not None and (not isinstance(key, str) or not key):
+            raise TypeError(f"lock key of {task} must be a non-empty str template.")
+        ttl = value.get("ttl")
+        backend = value.get("backend", conf.DEFAULT_ALIAS)
+        if not isinstance(backend, str):
+            raise TypeError(f"lock backend of {task} must be an alias (str), not {backend!r}.")
+        on_locked = value.get("on_locked", "skip")
+        if on_locked in CELERY_ONLY:
+            raise ValueError(
+                f"on_locked={on_locked!r} of {task} is Celery-only ({CELERY_ONLY[on_locked]}); "
+                f"use one of {ON_LOCKED!r}."
+            )
+        if on_locked not in ON_LOCKED:
+            raise ValueError(
+                f"on_locked of {task} must be one of {ON_LOCKED!r}, not {on_locked!r}."
+            )
+        scope = value.get("scope", "run")
+        if scope not in SCOPES:
+            raise ValueError(f"scope of {task} must be one of {SCOPES!r}, not {scope!r}.")
+        if "timeout" in value and on_locked != "wait":
+            raise ValueError(f"timeout applies to on_locked='wait' only ({task}).")
+        limit = value.get("limit")
+        limit = None if limit is None else validate_limit(limit)
+        if scope == "queue" and limit is not None:
+            raise ValueError(
+                f"limit applies to scope='run' only ({task}): a semaphore's slot cannot "
+                "travel with an enqueued task."
+            )
+        return cls(
+            key=key,
+            ttl=None if ttl is None else validate_ttl(ttl),
+            backend=backend,
+            on_locked=on_locked,
+            scope=scope,
+            timeout=validate_timeout(value.get("timeout")),
+            limit=limit,
+        )
+
+    def target(self) -> Any:
+        """The backend to acquire on: the alias's, or its semaphore view with ``limit``."""
+        backend = locks[self.backend]
+        return backend if self.limit is None else SlotView(backend, self.limit, 1)
+
+
+def current_lock() -> HeldLock | None:
+    """The lease of the locked task whose body runs here (innermost), else None.
+
+    ``current_lock().token`` is the run's fencing token.
+    """
+    running = _running.get()
+    return running[-1] if running else None
+
+
+def _caller_template(
+    key: str | None, func: Callable[..., Any], takes_context: bool
+) -> KeyTemplate:
+    """``key`` over the arguments callers pass: a ``context`` first parameter is dropped."""
+    signature = inspect.signature(func)
+    if takes_context:
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return KeyTemplate(key or "", signature, func.__qualname__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
+    """A task that runs each distinct call at most once at a time (see the module docstring).
+
+    ``lock_options`` and ``key_template`` are dataclass fields, so ``using()``
+    keeps them.
+    """
+
+    lock_options: LockOptions = field(default_factory=LockOptions)
+    key_template: KeyTemplate | None = field(default=None, compare=False, repr=False)
+
+    def _template(self) -> KeyTemplate:
+        if self.key_template is not None:
+            return self.key_template
+        return _caller_template(self.lock_options.key, self.func, self.takes_context)
+
+    def lock_key(self, args: Any = (), kwargs: Mapping[str, Any] | None = None) -> str:
+        """The lock name for a call with ``args`` and ``kwargs`` (no context argument)."""
+        template = self._template()
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        if self.lock_options.key:
+            return template.format(args, kwargs)
+        values = template.arguments(args, kwargs)
+        try:
+            text = json.dumps(values, sort_keys=True, separators=(",", ":"), default=repr)
+        except (TypeError, ValueError):
+            text = repr(sorted(values.items(), key=lambda item: item[0]))
+        return f"{self.module_path}:{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+
+    # --- running ----------------------------------------------------------------------
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body under the lock; what workers (and ImmediateBackend) call."""
+        ticket = kwargs.pop(TICKET_KWARG, None)
+        call_args = args[1:] if self.takes_context else args
+        key = self.lock_key(call_args, kwargs)
+        task_id = self._task_id(args)
+        held = None
+        if isinstance(ticket, Mapping):
+            held = self._adopt(ticket, key)
+        if held is None:
+            held = self._acquire(key, self.lock_options.ttl, True, task_id, call_args, kwargs)
+            if held is None:
+                return None
+        token = _running.set((*_running.get(), held))
+        try:
+            return Task.call(self, *args, **kwargs)
+        finally:
+            _running.reset(token)
+            held.release_quietly()
+
+    async def acall(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`call`, awaited: the lock is taken and released in a worker thread."""
+        return await sync_to_async(self.call)(*args, **kwargs)
+
+    def _task_id(self, args: tuple[Any, ...]) -> str | None:
+        if self.takes_context and args:
+            result = getattr(args[0], "task_result", None)
+        else:
+            result = _started.get()
+        task = getattr(result, "task", None)
+        if task is None or getattr(task, "func", None) is not self.func:
+            return None
+        return getattr(result, "id", None)
+
+    def _adopt(self, ticket: Mapping[str, Any], key: str) -> HeldLock | None:
+        if ticket.get("name") != key:
+            # Not this call's lease (a ticket passed by hand): give it back
+            # rather than let it block this key until it runs out.
+            logger.warning(
+                "The lock ticket of %s names %r, not this call's %r: releasing it.",
+                self.module_path, ticket.get("name"), key,
+            )  # fmt: skip
+            _release_ticket(ticket)
+            return None
+        try:
+            backend = locks[ticket["backend"]]
+            with keys.templated(self.lock_pattern()):
+                return backend.adopt(ticket, ttl=self.lock_options.ttl or backend.default_ttl)
+        except LockLost:
+            logger.info(
+                "The queue lease of %s on %r ran out, was broken or was adopted by another "
+                "run; acquiring it as on_locked says.",
+                self.module_path,
+                ticket.get("name"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("Ignoring a malformed lock ticket on %s: %s", self.module_path, e)
+        return None
+
+    def lock_pattern(self) -> str:
+        """What metrics label this task's locks by: its key template, else ``"<task path>:*"``."""
+        return self.lock_options.key or f"{self.module_path}:*"
+
+    def _acquire(
+        self, key: str, ttl: float | None, renew: bool, task_id: str | None, args: Any, kwargs: Any
+    ) -> HeldLock | None:
+        """Acquire for a run (``renew``) or an enqueue, else do what ``on_locked`` says.
+
+        None: the call is skipped.
+        """
+        options = self.lock_options
+        scope = "run" if renew else "queue"
+        metadata = {
+            "task_id": task_id,
+            "task_name": self.module_path,
+            "worker": _worker_id(task_id),
+            "scope": scope,
+        }
+        try:
+            with keys.templated(self.lock_pattern()):
+                return self._acquire_on(key, ttl, renew, metadata)
+        except LockTimeout:
+            if options.on_locked != "skip":
+                raise
+        logger.info(
+            "Skipped %s[%s]: lock %r on %r is held (%s scope).",
+            self.module_path, task_id, key, options.backend, scope,
+        )  # fmt: skip
+        task_skipped.send(
+            sender=type(self), task=self, task_id=task_id, name=key, backend=options.backend,
+            scope=scope, args=args, kwargs=kwargs, template=self.lock_pattern(),
+        )  # fmt: skip
+        return None
+
+    def _acquire_on(
+        self, key: str, ttl: float | None, renew: bool, metadata: dict[str, Any]
+    ) -> HeldLock:
+        options = self.lock_options
+        held: HeldLock = options.target().acquire(
+            key,
+            ttl=ttl,
+            timeout=options.timeout if options.on_locked == "wait" else 0,
+            metadata=metadata,
+            renew=renew,
+        )
+        return held
+
+    # --- enqueueing -------------------------------------------------------------------
+
+    def enqueue(self, *args: Any, **kwargs: Any) -> Any:
+        """The framework's ``enqueue()``; in queue scope, take the lock first (None: skipped)."""
+        if self.lock_options.scope != "queue":
+            return Task.enqueue(self, *args, **kwargs)
+        if TICKET_KWARG in kwargs:
+            raise TypeError(f"{TICKET_KWARG!r} is reserved for the lock's ticket.")
+        # The key of the arguments as the worker will get them (JSON: a tuple
+        # arrives as a list), so that the run finds its ticket's name.
+        key = self.lock_key(
+            normalize_json(list(args)), cast(dict[str, Any], normalize_json(kwargs))
+        )
+        backend = locks[self.lock_options.backend]
+        # The lease covers the wait in the queue, and the wait until run_after.
+        ttl = (self.lock_options.ttl or backend.default_ttl) + _delay(self.run_after)
+        # Not renewed: if the call never runs, the lease must run out.
+        held = self._acquire(key, ttl, False, None, args, kwargs)
+        if held is None:
+            return None
+        ticket = held.detach()
+        try:
+            return Task.enqueue(self, *args, **kwargs, **{TICKET_KWARG: ticket})
+        except BaseException:
+            _release_ticket(ticket)
+            raise
+
+    async def aenqueue(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`enqueue`, awaited."""
+        if self.lock_options.scope != "queue":
+            return await Task.aenqueue(self, *args, **kwargs)
+        return await sync_to_async(self.enqueue)(*args, **kwargs)
+
+
+def locked_task(function: Callable[..., Any] | None = None, /, **options: Any) -> Any:
+    """The framework's ``@task`` making a :class:`LockedTask`; its options pass through.
+
+    Lock options are keywords (``key``, ``ttl``, ``backend``, ``on_locked``,
+    ``scope``, ``timeout``, ``limit``) or a ``lock={...}`` dict. ``backend``
+    is the lock backend alias; the task backend (``TASKS`` alias), which
+    shares the name in ``@task``, is passed as ``task_backend=``. ``priority``, ``queue_name`` and
+    ``takes_context`` pass through. Works bare (``@locked_task``).
+    """
+    given = options.pop("lock", None) or {}
+    if not isinstance(given, Mapping):
+        raise TypeError(f"lock options must be a dict, not {type(given).__name__}.")
+    lock = dict(given)
+    for name in LockOptions.__dataclass_fields__:
+        if name in options:
+            if name in lock:
+                raise TypeError(f"Lock option {name!r} is given twice.")
+            lock[name] = options.pop(name)
+    task_backend = options.pop("task_backend", DEFAULT_TASK_BACKEND_ALIAS)
+    passed = {"priority", "queue_name", "takes_context"}
+    unknown = sorted(set(options) - passed)
+    if unknown:
+        raise TypeError(
+            f"Unknown options {unknown!r} for locked_task; lock options are "
+            f"{sorted(LockOptions.__dataclass_fields__)!r}, task options "
+            f"{sorted({*passed, 'task_backend'})!r}."
+        )
+
+    def create(func: Callable[..., Any]) -> LockedTask:
+        name = f"{func.__module__}.{func.__qualname__}"
+        parsed = LockOptions.parse(lock, name)
+        takes_context = bool(options.get("takes_context", False))
+        # Fail where the task is defined, not when it first runs.
+        template = _caller_template(parsed.key, func, takes_context)
+        task_class = task_backends[task_backend].task_class
+        if not issubclass(LockedTask, task_class):
+            raise TypeError(
+                f"locked_task cannot lock {name}: task backend {task_backend!r} makes "
+                f"{task_class.__qualname__} tasks, and a LockedTask is a plain Task."
+            )
+        task_options: dict[str, Any] = {
+            "priority": DEFAULT_TASK_PRIORITY,
+            "queue_name": DEFAULT_TASK_QUEUE_NAME,
+            **options,
+        }
+        return LockedTask(
+            func=func,
+            backend=task_backend,
+            run_after=None,
+            lock_options=parsed,
+            key_template=template,
+            **task_options,
+        )
+
+    if function is not None:
+        if not callable(function):
+            raise TypeError("locked_task takes keyword options only: @locked_task(key=...).")
+        return create(function)
+    return create
+
+
+def _release_ticket(ticket: Mapping[str, Any]) -> None:
+    try:
+        locks[ticket["backend"]].release_ticket(ticket)
+    except Exception:
+        logger.warning("Could not release the queue lease %r", ticket.get("name"), exc_info=True)
+
+
+def _delay(run_after: datetime | None) -> float:
+    """Seconds until a task with this ``run_after`` may run."""
+    if run_after is None:
+        return 0.0
+    if run_after.tzinfo is None:
+        run_after = run_after.replace(tzinfo=timezone.utc)
+    return max((run_after - datetime.now(timezone.utc)).total_seconds(), 0.0)
+
+
+def _worker_id(task_id: str | None) -> str | None:
+    """The id of the worker running ``task_id`` here, if the worker said (``task_started``)."""
+    result = _started.get()
+    if task_id is None or getattr(result, "id", None) != task_id:
+        return None
+    workers = getattr(result, "worker_ids", None)
+    return str(workers[-1]) if workers else None
+
+
+def _remember_started(sender: Any, task_result: TaskResult, **kwargs: Any) -> None:  # type: ignore[type-arg,unused-ignore]
+    """The worker announces each run before it calls the task: keep its result for task_id."""
+    _started.set(task_result)
+
+
+def _forget_started(sender: Any, task_result: TaskResult, **kwargs: Any) -> None:  # type: ignore[type-arg,unused-ignore]
+    _started.set(None)
+
+
+task_started.connect(_remember_started, dispatch_uid="django_dlock.tasks.started")
+task_finished.connect(_forget_started, dispatch_uid="django_dlock.tasks.finished")

@@ -1,0 +1,532 @@
+"""``django_dlock.tasks``: locked tasks of Django's task framework.
+
+On ImmediateBackend (the task runs inside ``enqueue()``): options, errors,
+keys, each ``on_locked`` and each scope. On django-tasks-db's DatabaseBackend
+with real ``db_worker`` processes: duplicates over two keys run two bodies.
+The framework is Django 6's ``django.tasks`` or, before Django 6, the
+django-tasks package; without either these tests are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.conf import settings
+from django.test import override_settings
+
+from django_dlock import LockTimeout, keys, locks, semaphore
+from django_dlock.signals import lock_acquired, task_skipped
+
+pytest.importorskip(
+    "django_dlock.tasks",
+    exc_type=ImportError,
+    reason="Django's task framework is not installed: Django 6+ or the django-tasks package",
+)
+
+from django_dlock.tasks import (
+    TICKET_KWARG,
+    LockedTask,
+    current_lock,
+    locked_task,
+)
+from tests import framework_tasks as ft
+from tests.tasks import read_log
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> str:
+    return str(tmp_path / "log.jsonl")
+
+
+@pytest.fixture
+def key() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def skipped() -> Iterator[list[dict[str, Any]]]:
+    sent: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        sent.append(kwargs)
+
+    task_skipped.connect(receiver)
+    yield sent
+    task_skipped.disconnect(receiver)
+
+
+def status(result: Any) -> str:
+    return str(result.status)
+
+
+# --- definition ---------------------------------------------------------------------------
+
+
+def test_django_6_uses_its_own_framework_and_older_django_the_package() -> None:
+    import django
+
+    module = "django.tasks.base" if django.VERSION >= (6,) else "django_tasks.base"
+    assert LockedTask.__mro__[1].__module__ == module
+
+
+def test_without_a_framework_the_import_error_says_what_to_install() -> None:
+    code = (
+        "import sys\n"
+        "for name in ('django.tasks', 'django_tasks'): sys.modules[name] = None\n"
+        "import django_dlock.tasks\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 1
+    assert "ImportError: django_dlock.tasks needs Django's task framework" in done.stderr
+    assert "django-dlock[tasks]" in done.stderr
+
+
+@pytest.mark.django_db
+def test_bare_decorator_makes_a_locked_task_on_the_default_lock_backend() -> None:
+    assert isinstance(ft.bare, LockedTask)
+    assert ft.bare.lock_options.backend == "default"
+    assert (ft.bare.lock_options.scope, ft.bare.lock_options.on_locked) == ("run", "skip")
+    result = ft.bare.enqueue(1, b=5)
+    assert status(result) == "SUCCESSFUL"
+    assert result.return_value == 6
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"colour": "red"}, TypeError, "Unknown options"),
+        ({"on_locked": "defer"}, ValueError, "Celery-only"),
+        ({"on_locked": "retry"}, ValueError, "Celery-only.*no retry"),
+        ({"on_locked": "sometimes"}, ValueError, "on_locked of .* must be one of"),
+        ({"scope": "enqueue"}, ValueError, "scope of .* must be one of"),
+        ({"timeout": 5}, ValueError, "timeout applies to on_locked='wait' only"),
+        ({"scope": "queue", "limit": 2}, ValueError, "limit applies to scope='run' only"),
+        ({"limit": 0}, ValueError, "limit"),
+        ({"ttl": -1}, ValueError, "ttl|TTL"),
+        ({"key": "x:{nope}"}, ValueError, r"names \['nope'\]"),
+        ({"key": "x:{}"}, ValueError, "must name arguments"),
+        ({"backend": 3}, TypeError, "alias"),
+    ],
+)
+def test_bad_options_fail_where_the_task_is_defined(
+    options: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    def body(a: int) -> int:
+        return a
+
+    with pytest.raises(error, match=match):
+        locked_task(**options)(body)
+
+
+def test_lock_options_may_come_as_a_dict_as_with_celery() -> None:
+    task = locked_task(lock={"key": "d:{a}", "backend": "locmem", "ttl": 5})(ft.bare.func)
+    assert (task.lock_options.key, task.lock_options.backend) == ("d:{a}", "locmem")
+    assert task.lock_options.ttl == 5
+    with pytest.raises(TypeError, match="'key' is given twice"):
+        locked_task(lock={"key": "d:{a}"}, key="e:{a}")(ft.bare.func)
+    with pytest.raises(TypeError, match="must be a dict"):
+        locked_task(lock="d:{a}")(ft.bare.func)
+
+
+def test_positional_options_are_refused() -> None:
+    with pytest.raises(TypeError, match="keyword options only"):
+        locked_task("key:{a}")  # type: ignore[arg-type]
+
+
+def test_task_options_pass_through_and_task_backend_names_the_tasks_alias() -> None:
+    task = locked_task(key="p:{a}", backend="locmem", priority=5, queue_name="default")(
+        ft.bare.func
+    )
+    assert (task.priority, task.queue_name, task.backend) == (5, "default", "default")
+    assert task.lock_options.backend == "locmem"
+    with pytest.raises(Exception, match="nope"):
+        locked_task(task_backend="nope")(ft.bare.func)
+
+
+def test_a_backend_with_its_own_task_class_is_refused() -> None:
+    tasks = {**settings.TASKS, "other": {"BACKEND": "tests.framework_tasks.OtherTaskBackend"}}
+    with override_settings(TASKS=tasks):
+        with pytest.raises(TypeError, match="makes OtherTask tasks"):
+            locked_task(task_backend="other")(ft.bare.func)
+
+
+def test_using_keeps_the_lock_options() -> None:
+    again = ft.queued.using(priority=3)
+    assert isinstance(again, LockedTask)
+    assert again.lock_options == ft.queued.lock_options
+    assert again.lock_key(("k", "log")) == "queue:k"
+
+
+def test_default_key_hashes_all_arguments() -> None:
+    one = ft.default_key.lock_key((1,), {"b": 2})
+    assert one == ft.default_key.lock_key((), {"a": 1, "b": 2})
+    assert one != ft.default_key.lock_key((1,), {"b": 3})
+    assert one.startswith("tests.framework_tasks.default_key:")
+
+
+# --- run scope ----------------------------------------------------------------------------
+
+
+def test_body_runs_under_its_lock_and_releases_it(key: str, log: str) -> None:
+    result = ft.skipping.enqueue(key, log)
+    assert status(result) == "SUCCESSFUL"
+    [event] = read_log(log)
+    assert event["name"] == f"skip:{key}"
+    assert result.return_value == event["token"]
+    assert locks["locmem"].get(f"skip:{key}") is None
+    assert current_lock() is None
+
+
+def test_skip_does_not_run_the_body_and_sends_task_skipped(
+    key: str, log: str, skipped: list[dict[str, Any]]
+) -> None:
+    with locks["locmem"].acquire(f"skip:{key}"):
+        result = ft.skipping.enqueue(key, log)
+    assert status(result) == "SUCCESSFUL"
+    assert result.return_value is None
+    assert read_log(log) == []
+    [sent] = skipped
+    assert sent["sender"] is LockedTask
+    assert sent["task"] is result.task or sent["task"].func is ft.skipping.func
+    assert (sent["name"], sent["backend"], sent["scope"]) == (f"skip:{key}", "locmem", "run")
+    assert sent["task_id"] == result.id
+    assert (list(sent["args"]), sent["kwargs"]) == ([key, log], {})
+
+
+def test_raise_fails_the_run_with_lock_timeout(key: str, log: str) -> None:
+    with locks["locmem"].acquire(f"raise:{key}"):
+        result = ft.raising.enqueue(key, log)
+    assert status(result) == "FAILED"
+    assert result.errors[0].exception_class is LockTimeout
+    assert read_log(log) == []
+
+
+def test_wait_runs_the_body_once_the_lock_is_free(key: str, log: str) -> None:
+    held = locks["locmem"].acquire(f"wait:{key}")
+    timer = threading.Timer(0.3, held.release)
+    timer.start()
+    try:
+        started = time.monotonic()
+        result = ft.waiting.enqueue(key, log)
+    finally:
+        timer.join()
+    assert status(result) == "SUCCESSFUL"
+    assert time.monotonic() - started >= 0.25
+    assert len(read_log(log)) == 1
+
+
+def test_limit_runs_up_to_limit_bodies_per_key(key: str, log: str) -> None:
+    name = f"limit:{key}"
+    with semaphore(name, limit=2, backend="locmem"):
+        assert ft.limited.enqueue(key, log).return_value is not None  # the second slot
+        with semaphore(name, limit=2, backend="locmem"):
+            assert ft.limited.enqueue(key, log).return_value is None  # both taken: skipped
+    assert len(read_log(log)) == 1
+
+
+def test_context_is_not_part_of_the_key_and_gives_the_task_id(key: str, log: str) -> None:
+    result = ft.with_context.enqueue(key, log)
+    assert status(result) == "SUCCESSFUL"
+    assert result.return_value == result.id
+    assert read_log(log)[0]["name"] == f"ctx:{key}"
+
+
+def test_acquisitions_carry_their_key_template(key: str, log: str) -> None:
+    seen: list[Any] = []
+
+    def receiver(**kwargs: Any) -> None:
+        seen.append(keys.acquiring_template.get())
+
+    lock_acquired.connect(receiver)
+    try:
+        ft.skipping.enqueue(key, log)
+    finally:
+        lock_acquired.disconnect(receiver)
+    assert seen == ["skip:{key}"]
+
+
+# --- queue scope --------------------------------------------------------------------------
+
+
+def test_queue_scope_skips_a_duplicate_enqueue(
+    key: str, log: str, skipped: list[dict[str, Any]]
+) -> None:
+    with locks["locmem"].acquire(f"queue:{key}"):
+        assert ft.queued.enqueue(key, log) is None
+    assert read_log(log) == []
+    [sent] = skipped
+    assert (sent["name"], sent["scope"], sent["task_id"]) == (f"queue:{key}", "queue", None)
+
+
+def test_queue_scope_hands_the_enqueue_lease_to_the_run(key: str, log: str) -> None:
+    tokens: list[int] = []
+
+    def receiver(sender: Any, name: str, token: int, **kwargs: Any) -> None:
+        if name == f"queue:{key}":
+            tokens.append(token)
+
+    lock_acquired.connect(receiver)
+    try:
+        result = ft.queued.enqueue(key, log)
+    finally:
+        lock_acquired.disconnect(receiver)
+    assert status(result) == "SUCCESSFUL"
+    # Taken in enqueue() and adopted by the run: one token, no second acquisition.
+    assert tokens and set(tokens) == {result.return_value}
+    assert TICKET_KWARG in result.kwargs
+    assert locks["locmem"].get(f"queue:{key}") is None
+
+
+def test_a_ticket_that_ran_out_is_acquired_afresh(key: str, log: str) -> None:
+    name = f"queue:{key}"
+    stale = locks["locmem"].acquire(name, renew=False)
+    ticket = stale.detach()
+    locks["locmem"].break_lock(name)
+    token = ft.queued.call(key, log, **{TICKET_KWARG: ticket})
+    assert token > stale.token
+    assert locks["locmem"].get(name) is None
+
+
+@pytest.mark.django_db
+def test_the_queue_lease_covers_the_wait_until_run_after(key: str, log: str) -> None:
+    if "db" not in getattr(settings, "TASKS", {}):
+        pytest.skip("django-tasks-db is not installed (ImmediateBackend has no run_after)")
+    later = datetime.now(timezone.utc) + timedelta(seconds=120)
+    result = ft.queued.using(backend="db", run_after=later).enqueue(key, log)
+    assert result is not None  # enqueued, not run: no worker here
+    lease = locks["locmem"].get(f"queue:{key}")
+    assert lease is not None
+    assert 120 < lease.expires_in <= 130  # ttl=10 plus the wait
+    assert ft.queued.enqueue(key, log) is None  # a duplicate meanwhile is skipped
+    locks["locmem"].break_lock(f"queue:{key}")
+
+
+@pytest.mark.django_db
+def test_a_queue_lease_whose_task_never_runs_runs_out(key: str, log: str) -> None:
+    if "db" not in getattr(settings, "TASKS", {}):
+        pytest.skip("django-tasks-db is not installed (ImmediateBackend runs every task)")
+    task = ft.queued_briefly.using(backend="db")  # no worker: it never runs
+    assert task.enqueue(key, log) is not None
+    assert task.enqueue(key, log) is None
+    deadline = time.monotonic() + 5
+    while locks["locmem"].get(f"short:{key}") is not None:  # not renewed: ttl=1
+        assert time.monotonic() < deadline, "the queue lease was renewed"
+        time.sleep(0.1)
+    assert task.enqueue(key, log) is not None  # so a duplicate can be enqueued then
+    locks["locmem"].break_lock(f"short:{key}")
+
+
+def test_queue_scope_keys_the_arguments_as_the_worker_gets_them(log: str) -> None:
+    """A tuple arrives as a list (JSON): the run must still find its own ticket."""
+    key = ("t", uuid.uuid4().hex[:8])
+    result = ft.queued.enqueue(key, log)
+    assert status(result) == "SUCCESSFUL"
+    assert result.return_value is not None
+    [event] = read_log(log)
+    assert event["name"] == f"queue:{list(key)}"
+    assert locks["locmem"].get(f"queue:{list(key)}") is None
+
+
+def test_a_ticket_for_another_key_is_given_back(key: str, log: str) -> None:
+    other = locks["locmem"].acquire(f"queue:{key}-other", renew=False).detach()
+    token = ft.queued.call(key, log, **{TICKET_KWARG: other})
+    assert token is not None
+    assert read_log(log)[0]["name"] == f"queue:{key}"
+    assert locks["locmem"].get(f"queue:{key}-other") is None
+
+
+def test_holder_metadata_names_the_task_the_run_and_the_worker(key: str, log: str) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def receiver(held: Any, **kwargs: Any) -> None:
+        seen.append(dict(held.holder))
+
+    lock_acquired.connect(receiver)
+    try:
+        result = ft.skipping.enqueue(key, log)
+    finally:
+        lock_acquired.disconnect(receiver)
+    [holder] = seen
+    assert holder["task_id"] == result.id
+    assert holder["task_name"] == "tests.framework_tasks.skipping"
+    assert holder["worker"] == result.worker_ids[-1]
+    assert holder["scope"] == "run"
+
+
+def test_the_ticket_kwarg_is_reserved(key: str, log: str) -> None:
+    with pytest.raises(TypeError, match="reserved"):
+        ft.queued.enqueue(key, log, **{TICKET_KWARG: {}})
+
+
+def test_enqueue_failure_releases_the_queue_lease(key: str, log: str) -> None:
+    framework = settings.TASKS["default"]["BACKEND"]
+    with override_settings(TASKS={"default": {"BACKEND": framework, "QUEUES": ["other"]}}):
+        with pytest.raises(Exception, match="not valid"):
+            ft.queued.enqueue(key, log)
+    assert locks["locmem"].get(f"queue:{key}") is None
+
+
+def test_acall_locks_like_call(key: str, log: str) -> None:
+    token = async_to_sync(ft.skipping.acall)(key, log)
+    assert read_log(log)[0]["token"] == token
+    assert locks["locmem"].get(f"skip:{key}") is None
+
+
+def test_async_enqueue_and_task(key: str, log: str) -> None:
+    result = async_to_sync(ft.asynchronous.aenqueue)(key, log)
+    assert status(result) == "SUCCESSFUL"
+    assert async_to_sync(ft.asynchronous.aenqueue)(key, log) is not None  # released
+    assert len(read_log(log)) == 2
+
+
+# --- real workers: django-tasks-db's db_worker --------------------------------------------
+
+
+DUPLICATES, KEYS = 10, 2
+
+
+class DBWorker:
+    """``django-admin db_worker`` on the test database, in its own process group."""
+
+    def __init__(self, tmp: Path, index: int) -> None:
+        self.log = tmp / f"worker-{index}.log"
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "tests.tasks_worker_settings",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "testproject")]),
+        }
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable, "-m", "django", "db_worker", "--backend", "db",
+                    "--interval", "0.1", "--no-startup-delay", "--no-reload",
+                    "--worker-id", f"dlock-test-{index}", "-v", "2",
+                ],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=20)
+
+
+@pytest.fixture
+def db_workers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list[DBWorker]]:
+    if "db" not in getattr(settings, "TASKS", {}):
+        pytest.skip("django-tasks-db is not installed (its DatabaseBackend runs the workers)")
+    workers = [DBWorker(tmp_path, i) for i in range(request.param)]
+    yield workers
+    for worker in workers:
+        worker.kill()
+
+
+def eventually(predicate: Callable[[], bool], limit: float, what: str, logs: Any = ()) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if time.monotonic() > deadline:
+            tails = "\n".join(w.log.read_text()[-3000:] for w in logs)
+            raise AssertionError(f"not within {limit}s: {what}\n{tails}")
+        time.sleep(0.1)
+
+
+def finished(results: list[Any]) -> int:
+    done = 0
+    for result in results:
+        result.refresh()
+        done += result.is_finished
+    return done
+
+
+@pytest.mark.multiprocess
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("db_workers", [1], indirect=True)
+def test_queue_scope_on_a_real_worker_runs_two_bodies_for_ten_enqueues(
+    db_workers: list[DBWorker], log: str, tmp_path: Path
+) -> None:
+    run = uuid.uuid4().hex[:6]
+    go = str(tmp_path / "go")
+    keys_ = [f"{run}-{i % KEYS}" for i in range(DUPLICATES)]
+    task = ft.dedup_queued.using(backend="db")
+    sent = [task.enqueue(k, log, go) for k in keys_]
+    enqueued = [r for r in sent if r is not None]
+    assert len(enqueued) == KEYS
+    go_time = time.monotonic()
+    Path(go).touch()
+    eventually(lambda: finished(enqueued) == KEYS, 60, "both runs finished", db_workers)
+    assert all(status(r) == "SUCCESSFUL" for r in enqueued), [r.errors for r in enqueued]
+    events = read_log(log)
+    assert sorted(e["key"] for e in events) == sorted(set(keys_))
+    assert {e["pid"] for e in events} == {db_workers[0].process.pid}
+    assert sorted(r.return_value for r in enqueued) == sorted(e["token"] for e in events)
+    assert locks["db-sqlite"].list(f"dedup-q:{run}") == []
+    assert time.monotonic() - go_time < 60
+
+
+@pytest.mark.multiprocess
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("db_workers", [3], indirect=True)
+def test_run_scope_on_real_workers_runs_two_bodies_for_ten_enqueues(
+    db_workers: list[DBWorker], log: str, tmp_path: Path
+) -> None:
+    """Three workers: two hold the first call of each key until ``go``; the third skips 8."""
+    run = uuid.uuid4().hex[:6]
+    go = str(tmp_path / "go")
+    keys_ = [f"{run}-{i % KEYS}" for i in range(DUPLICATES)]
+    task = ft.dedup.using(backend="db")
+    results = [task.enqueue(k, log, go) for k in keys_]
+    eventually(lambda: finished(results) == DUPLICATES - KEYS, 90, "8 skipped runs", db_workers)
+    assert len(read_log(log)) == KEYS  # both first bodies are still running
+    Path(go).touch()
+    eventually(lambda: finished(results) == DUPLICATES, 60, "all runs finished", db_workers)
+    assert all(status(r) == "SUCCESSFUL" for r in results), [r.errors for r in results]
+    events = read_log(log)
+    assert sorted(e["key"] for e in events) == sorted(set(keys_))
+    assert sorted(r.return_value for r in results if r.return_value is not None) == sorted(
+        e["token"] for e in events
+    )
+    workers = {w.process.pid for w in db_workers}
+    assert len({e["pid"] for e in events} & workers) == KEYS  # two worker processes ran them
+    assert locks["db-sqlite"].list(f"dedup:{run}") == []
+
+
+# --- metrics ------------------------------------------------------------------------------
+
+
+def test_runs_and_skips_are_counted_under_the_key_template(key: str, log: str) -> None:
+    prometheus = pytest.importorskip(
+        "django_dlock.contrib.prometheus", reason="prometheus_client is not installed"
+    )
+    from prometheus_client import CollectorRegistry
+
+    metrics = prometheus.install(registry=CollectorRegistry())
+    get = metrics.registry.get_sample_value
+    labels = {"backend": "locmem", "pattern": "skip:{key}"}
+    try:
+        assert status(ft.skipping.enqueue(key, log)) == "SUCCESSFUL"
+        with locks["locmem"].lock(f"skip:{key}"):
+            assert status(ft.skipping.enqueue(key, log)) == "SUCCESSFUL"
+        assert get("dlock_acquisitions_total", labels) == 1
+        assert get("dlock_tasks_skipped_total", {**labels, "scope": "run"}) == 1
+    finally:
+        prometheus.uninstall()
+    assert len(read_log(log)) == 1
