@@ -1,0 +1,246 @@
+"""Health probes against real servers the tests start and kill.
+
+- ``django_dlock.contrib.health_check`` in django-health-check's view: 200
+  while every lock backend answers, 500 naming the one that does not (a
+  killed redis-server or etcd, a server that accepts connections and never
+  answers), 200 again once it is back.
+- ``manage.py locks check`` as a Kubernetes ``exec`` probe runs it: exit 0
+  while the server is up, 3 once it is stopped, 0 after its restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.test import Client, override_settings
+
+pytest.importorskip(
+    "health_check", reason="django-health-check is not installed (pip install -e '.[health]')"
+)
+
+from asgiref.sync import async_to_sync
+from django.test import RequestFactory
+from health_check.views import HealthCheckView
+
+from django_dlock.contrib.health_check import LockBackend, lock_backend_checks
+from tests.health_urls import TIMEOUT
+from tests.servers import EtcdServer, RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DB = {"BACKEND": "django_dlock.backends.database.DatabaseBackend"}
+REDIS = "django_dlock.backends.redis.RedisBackend"
+ETCD = "django_dlock.backends.etcd.EtcdBackend"
+JSON = {"HTTP_ACCEPT": "application/json"}
+
+needs_redis = pytest.mark.skipif(
+    not shutil.which("redis-server"), reason="redis-server is not installed"
+)
+needs_etcd = pytest.mark.skipif(
+    not (shutil.which("etcd") and shutil.which("etcdctl")),
+    reason="etcd is not installed (apt: etcd-server)",
+)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer(free_port()).start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def etcd_server() -> Iterator[EtcdServer]:
+    client, peer = free_port(), free_port()
+    server = EtcdServer("health", client, peer, {"health": peer}).start()
+    yield server
+    server.cleanup()
+
+
+def health(backends: dict[str, dict[str, object]]) -> override_settings:
+    return override_settings(DLOCK_BACKENDS=backends, ROOT_URLCONF="tests.health_urls")
+
+
+def get(client: Client) -> tuple[int, dict[str, str], float]:
+    """The status, the JSON body (check -> "OK" or its error) and how long it took."""
+    started = time.monotonic()
+    response = client.get("/health/", **JSON)
+    return response.status_code, response.json(), time.monotonic() - started
+
+
+@needs_redis
+@pytest.mark.django_db(transaction=True)
+def test_200_while_up_500_naming_the_killed_redis_200_after_restart(
+    redis_server: RedisServer,
+) -> None:
+    backends = {"default": DB, "redis": {"BACKEND": REDIS, "LOCATION": redis_server.url}}
+    with health(backends):
+        client = Client()
+        status, body, _ = get(client)
+        assert (status, body) == (
+            200,
+            {"LockBackend(alias='default')": "OK", "LockBackend(alias='redis')": "OK"},
+        )
+
+        redis_server.kill()
+        status, body, _ = get(client)
+        assert status == 500
+        assert body["LockBackend(alias='default')"] == "OK"
+        error = body["LockBackend(alias='redis')"]
+        assert error.startswith("Unavailable: lock backend 'redis': Redis at redis://127.0.0.1:")
+        # As text (an HTTP probe that logs the body): one line a check.
+        text = client.get("/health/", {"format": "text"})
+        assert text.status_code == 500
+        assert f"LockBackend(alias='redis'): {error}\n" in text.content.decode()
+
+        redis_server.start()
+        status, body, _ = get(client)
+        assert status == 200, body
+
+
+@needs_etcd
+@pytest.mark.django_db(transaction=True)
+def test_500_naming_a_killed_etcd(etcd_server: EtcdServer) -> None:
+    backends = {"default": DB, "etcd": {"BACKEND": ETCD, "LOCATION": etcd_server.endpoint}}
+    with health(backends):
+        client = Client()
+        status, body, _ = get(client)
+        assert status == 200, body
+        etcd_server.kill()
+        status, body, _ = get(client)
+        assert status == 500
+        assert body["LockBackend(alias='default')"] == "OK"
+        # etcd's client waits for the server to come back for its whole
+        # ``timeout`` (5 s), so the check's own bound (3 s here) answers first.
+        assert body["LockBackend(alias='etcd')"].startswith("Unavailable: lock backend 'etcd'")
+
+
+@contextlib.contextmanager
+def black_hole() -> Iterator[int]:
+    """A port whose server accepts connections (the kernel's backlog) and never answers."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        # The waiting clients are reset: their pings end, and their threads.
+        listener.close()
+
+
+@needs_redis
+@pytest.mark.django_db(transaction=True)
+def test_a_server_that_never_answers_fails_the_check_within_its_timeout() -> None:
+    with black_hole() as port:
+        # The Redis client's own socket timeout (5 s) is longer than the check's.
+        backends = {
+            "default": DB,
+            "redis": {"BACKEND": REDIS, "LOCATION": f"redis://127.0.0.1:{port}/0"},
+        }
+        with health(backends):
+            client = Client()
+            status, body, took = get(client)
+            assert status == 500
+            assert body["LockBackend(alias='default')"] == "OK"
+            limit = TIMEOUT.total_seconds()
+            assert body["LockBackend(alias='redis')"].startswith(
+                f"Unavailable: lock backend 'redis' did not answer a ping within {limit:g} s"
+            )
+            # A probe while that ping still waits waits for it, and starts no other.
+            status, body, took_again = get(client)
+            assert status == 500
+            assert "did not answer a ping within" in body["LockBackend(alias='redis')"]
+            pings = [t.name for t in threading.enumerate() if t.name.startswith("dlock-health")]
+            assert pings == ["dlock-health-ping:redis"]
+            # Not a speed test: the ping itself gives up only after 10 s (the
+            # client's 5 s socket timeout, twice), and so would the response
+            # if it waited for the ping's thread.
+            assert took < 8 and took_again < 8
+
+
+@override_settings(DLOCK_BACKENDS={"default": DB})
+def test_an_unknown_alias_fails_its_check_by_name() -> None:
+    view = HealthCheckView.as_view(checks=[(LockBackend, {"alias": "nope"})])
+    response = async_to_sync(view)(RequestFactory().get("/", **JSON))
+    assert response.status_code == 500
+    assert json.loads(response.content) == {
+        "LockBackend(alias='nope')": "Unavailable: lock backend 'nope' is misconfigured: "
+        "No lock backend 'nope' in DLOCK_BACKENDS; configured: ['default']."
+    }
+
+
+@override_settings(DLOCK_BACKENDS={"default": DB, "redis": {"BACKEND": REDIS}})
+def test_lock_backend_checks_names_every_alias_and_passes_options() -> None:
+    assert lock_backend_checks(timeout=TIMEOUT) == [
+        (LockBackend, {"alias": "default", "timeout": TIMEOUT}),
+        (LockBackend, {"alias": "redis", "timeout": TIMEOUT}),
+    ]
+
+
+def test_without_django_health_check_only_the_contrib_module_fails_to_import() -> None:
+    # None in sys.modules makes any import of it fail, as if not installed.
+    code = (
+        "import sys; sys.modules['health_check'] = None\n"
+        "import django; django.setup()\n"
+        "import django_dlock, django_dlock.contrib, django_dlock.handler\n"
+        "try:\n"
+        "    import django_dlock.contrib.health_check\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "testproject")])
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        "django_dlock.contrib.health_check needs django-health-check 4.8 or later "
+        "(pip install 'django-dlock[health]').\n"
+    )
+
+
+# --- manage.py locks check, as a Kubernetes exec probe runs it --------------------------------
+
+
+def probe(settings_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    path = os.pathsep.join([str(settings_dir), str(ROOT), str(ROOT / "testproject")])
+    return subprocess.run(
+        [sys.executable, "-m", "django", "locks", "check", *args],
+        cwd=ROOT,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "probe_settings", "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@needs_redis
+def test_locks_check_exits_0_while_up_3_once_stopped_0_after_restart(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    backends = {"default": {"BACKEND": REDIS, "LOCATION": redis_server.url}}
+    (tmp_path / "probe_settings.py").write_text(
+        f"from tests.settings import *  # noqa\nDLOCK_BACKENDS = {backends!r}\n"
+    )
+    result = probe(tmp_path, "--backend", "default")
+    assert result.returncode == 0, result.stderr
+    assert "Redis " in result.stdout
+
+    redis_server.stop()
+    result = probe(tmp_path, "--backend", "default")
+    assert result.returncode == 3
+    assert "FAILED" in result.stdout
+    assert result.stderr.endswith("CommandError: Backend(s) default did not answer.\n")
+
+    redis_server.start()
+    result = probe(tmp_path, "--backend", "default")
+    assert result.returncode == 0, result.stderr
