@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
 import json
 import os
 import shutil
@@ -31,6 +33,7 @@ pytest.importorskip(
 
 from asgiref.sync import async_to_sync
 from django.test import RequestFactory
+from health_check.base import HealthCheck
 from health_check.views import HealthCheckView
 
 from django_dlock.contrib.health_check import LockBackend, lock_backend_checks
@@ -164,6 +167,33 @@ def test_a_server_that_never_answers_fails_the_check_within_its_timeout() -> Non
             # client's 5 s socket timeout, twice), and so would the response
             # if it waited for the ping's thread.
             assert took < 8 and took_again < 8
+
+
+@dataclasses.dataclass
+class _Stuck(HealthCheck):
+    """A synchronous check that outlasts its timeout, as a ping to a silent server does."""
+
+    timeout = datetime.timedelta(seconds=1)
+
+    def run(self) -> None:
+        threading.Event().wait(4)
+
+
+def test_why_the_ping_has_a_thread_of_its_own() -> None:
+    """django-health-check runs a synchronous check on the event loop's executor.
+
+    Under WSGI (as the test client runs views) the view runs in
+    ``asyncio.run()``, which waits for that executor's threads on its way
+    out: the body says the check timed out after 1 s, but it is sent only
+    when the check returns. If this fails, django-health-check no longer
+    holds the response, and LockBackend's own thread may not be needed.
+    """
+    view = HealthCheckView.as_view(checks=[_Stuck])
+    started = time.monotonic()
+    response = async_to_sync(view)(RequestFactory().get("/", **JSON))
+    took = time.monotonic() - started
+    assert json.loads(response.content) == {"_Stuck()": "Unavailable: Timed out after 1 seconds"}
+    assert took >= 3.5
 
 
 @override_settings(DLOCK_BACKENDS={"default": DB})
