@@ -30,6 +30,7 @@ from ...backends.types import LockInfo
 from ...checks import check_backends
 from ...exceptions import DLockError, LockConfigurationError
 from ...handler import locks
+from ...pings import ping_within
 from ...watchdog import lag_notes
 
 NOTHING_MATCHED = 1
@@ -108,6 +109,14 @@ class Command(BaseCommand):
         )
         self._backend_option(check, aliases, default=False)
         check.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+        check.add_argument(
+            "--timeout",
+            type=_seconds,
+            default=None,
+            metavar="SECONDS",
+            help="Count a backend that has not answered its ping within SECONDS as down "
+            "(default: wait for the client's own timeouts).",
+        )
 
     @staticmethod
     def _backend_option(parser: CommandParser, aliases: list[str], *, default: bool) -> None:
@@ -171,7 +180,7 @@ class Command(BaseCommand):
                 options["all_slots"],
             )
         else:
-            self.check_backends(backend, options.get("json", False))
+            self.check_backends(backend, options.get("json", False), options.get("timeout"))
 
     # --- list -----------------------------------------------------------------------
 
@@ -425,7 +434,9 @@ class Command(BaseCommand):
 
     # --- check ----------------------------------------------------------------------
 
-    def check_backends(self, backend: str | None, as_json: bool) -> None:
+    def check_backends(
+        self, backend: str | None, as_json: bool, timeout: float | None = None
+    ) -> None:
         results: list[dict[str, Any]] = []
         for alias in holders.aliases(backend):
             backend_obj = locks[alias]
@@ -439,7 +450,7 @@ class Command(BaseCommand):
                 "error": None,
             }
             try:
-                status = backend_obj.ping()
+                status = ping_within(backend_obj, timeout)
             except DLockError as e:
                 result["error"] = str(e)
             else:
@@ -488,6 +499,17 @@ class Command(BaseCommand):
             raise CommandError(
                 f"Backend(s) {', '.join(failed)} did not answer.", returncode=UNAVAILABLE
             )
+
+
+def _seconds(value: str) -> float:
+    """``--timeout``'s argument: a positive number of seconds."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {value!r}")
+    return seconds
 
 
 @contextlib.contextmanager
