@@ -323,3 +323,20 @@ def test_exposition_under_load_shows_every_metric(
     # Cardinality: no label carries a whole name with a random part.
     patterns = {s.labels.get("pattern") for f in families.values() for s in f.samples}
     assert not [p for p in patterns if p and key in p], patterns
+
+
+def test_a_failing_metric_never_fails_the_lock(caplog: pytest.LogCaptureFixture) -> None:
+    """A receiver's error is logged: lock_acquired's would otherwise release the lease."""
+
+    def pattern(name: str) -> str:
+        raise RuntimeError("no pattern for you")
+
+    prometheus.install(registry=CollectorRegistry(), pattern=pattern)
+    try:
+        with locks["locmem"].lock(f"failing:{uuid.uuid4().hex[:8]}") as held:
+            assert not held.released
+            held.ensure()
+    finally:
+        prometheus.uninstall()
+    assert "Metrics.on_acquired receiver failed" in caplog.text
+    assert "no pattern for you" in caplog.text

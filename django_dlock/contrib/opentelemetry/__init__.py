@@ -46,6 +46,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ... import signals
 from ...handle import HeldLock
+from .. import quiet_receiver
 
 #: The instrumentation scope of the spans.
 SCOPE = "django_dlock"
@@ -75,7 +76,9 @@ class Tracing:
 
     def connect(self) -> None:
         for signal, receiver in self._receivers:
-            signal.connect(receiver, weak=False, dispatch_uid=(id(self), receiver.__name__))
+            signal.connect(
+                quiet_receiver(receiver), weak=False, dispatch_uid=(id(self), receiver.__name__)
+            )
 
     def disconnect(self) -> None:
         for signal, receiver in self._receivers:

@@ -65,6 +65,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from ... import signals
 from ...handle import HeldLock
 from ...watchdog import get_watchdog
+from .. import quiet_receiver
 
 #: Pattern label for names beyond a process's ``max_patterns``.
 OTHER = "~other"
@@ -164,7 +165,9 @@ class Metrics:
 
     def connect(self) -> None:
         for signal, receiver in self._receivers:
-            signal.connect(receiver, weak=False, dispatch_uid=(id(self), receiver.__name__))
+            signal.connect(
+                quiet_receiver(receiver), weak=False, dispatch_uid=(id(self), receiver.__name__)
+            )
 
     def disconnect(self) -> None:
         for signal, receiver in self._receivers:
