@@ -49,6 +49,7 @@ The queue-scope lifecycle, walked through in time:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -60,15 +61,17 @@ from datetime import datetime, timezone
 from typing import Any, cast
 
 from asgiref.sync import sync_to_async
+from django.db import connections
 
 from . import conf, keys
 from ._validation import validate_timeout, validate_ttl
 from .backends.slots import SlotView, validate_limit
-from .exceptions import LockLost, LockTimeout
+from .exceptions import LockConfigurationError, LockLost, LockTimeout
 from .handle import HeldLock
 from .handler import locks
 from .keys import KeyTemplate
 from .signals import task_skipped
+from .transactions import on_rollback
 
 try:
     from django.tasks import task_backends
@@ -244,17 +247,9 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
 
     def call(self, *args: Any, **kwargs: Any) -> Any:
         """Run the body under the lock; what workers (and ImmediateBackend) call."""
-        ticket = kwargs.pop(TICKET_KWARG, None)
-        call_args = args[1:] if self.takes_context else args
-        key = self.lock_key(call_args, kwargs)
-        task_id = self._task_id(args)
-        held = None
-        if isinstance(ticket, Mapping):
-            held = self._adopt(ticket, key)
+        held = self._enter(args, kwargs)
         if held is None:
-            held = self._acquire(key, self.lock_options.ttl, True, task_id, call_args, kwargs)
-            if held is None:
-                return None
+            return None
         token = _running.set((*_running.get(), held))
         try:
             return Task.call(self, *args, **kwargs)
@@ -263,8 +258,42 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
             held.release_quietly()
 
     async def acall(self, *args: Any, **kwargs: Any) -> Any:
-        """:meth:`call`, awaited: the lock is taken and released in a worker thread."""
-        return await sync_to_async(self.call)(*args, **kwargs)
+        """:meth:`call`, awaited.
+
+        The lock is taken in a thread of its own (a wait must not hold the
+        one thread that sync code called from async shares), then the body
+        runs as the framework's ``acall`` runs it.
+        """
+        held = await sync_to_async(self._enter, thread_sensitive=False)(args, kwargs)
+        if held is None:
+            return None
+        token = _running.set((*_running.get(), held))
+        try:
+            return await Task.acall(self, *args, **kwargs)
+        finally:
+            _running.reset(token)
+            await held.arelease_quietly()
+
+    def _enter(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HeldLock | None:
+        """The run's lease: the queue lease its ticket hands over, or a new one (None: skip).
+
+        Takes the ticket out of ``kwargs``. Only a queue-scope task adopts
+        one: ``enqueue()`` refuses the keyword, so a run-scope call that has
+        it was not made by us, and its ticket is left to run out.
+        """
+        ticket = kwargs.pop(TICKET_KWARG, None)
+        call_args = args[1:] if self.takes_context else args
+        key = self.lock_key(call_args, kwargs)
+        held = None
+        if isinstance(ticket, Mapping) and self.lock_options.scope == "queue":
+            held = self._adopt(ticket, key)
+        elif ticket is not None:
+            logger.warning("Ignoring a lock ticket given to %s (run scope).", self.module_path)
+        if held is None:
+            held = self._acquire(
+                key, self.lock_options.ttl, True, self._task_id(args), call_args, kwargs
+            )
+        return held
 
     def _task_id(self, args: tuple[Any, ...]) -> str | None:
         if self.takes_context and args:
@@ -278,13 +307,12 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
 
     def _adopt(self, ticket: Mapping[str, Any], key: str) -> HeldLock | None:
         if ticket.get("name") != key:
-            # Not this call's lease (a ticket passed by hand): give it back
-            # rather than let it block this key until it runs out.
+            # Not this call's lease: a ticket passed by hand, maybe copied from
+            # another call's result. Releasing it would end that call's lease.
             logger.warning(
-                "The lock ticket of %s names %r, not this call's %r: releasing it.",
+                "Ignoring the lock ticket of %s: it names %r, not this call's %r.",
                 self.module_path, ticket.get("name"), key,
             )  # fmt: skip
-            _release_ticket(ticket)
             return None
         try:
             backend = locks[ticket["backend"]]
@@ -297,7 +325,7 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
                 self.module_path,
                 ticket.get("name"),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, LockConfigurationError) as e:
             logger.warning("Ignoring a malformed lock ticket on %s: %s", self.module_path, e)
         return None
 
@@ -353,10 +381,10 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
 
     def enqueue(self, *args: Any, **kwargs: Any) -> Any:
         """The framework's ``enqueue()``; in queue scope, take the lock first (None: skipped)."""
-        if self.lock_options.scope != "queue":
-            return Task.enqueue(self, *args, **kwargs)
         if TICKET_KWARG in kwargs:
             raise TypeError(f"{TICKET_KWARG!r} is reserved for the lock's ticket.")
+        if self.lock_options.scope != "queue":
+            return Task.enqueue(self, *args, **kwargs)
         # The key of the arguments as the worker will get them (JSON: a tuple
         # arrives as a list), so that the run finds its ticket's name.
         key = self.lock_key(
@@ -371,13 +399,20 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
             return None
         ticket = held.detach()
         try:
-            return Task.enqueue(self, *args, **kwargs, **{TICKET_KWARG: ticket})
+            result = Task.enqueue(self, *args, **kwargs, **{TICKET_KWARG: ticket})
         except BaseException:
             _release_ticket(ticket)
             raise
+        # Enqueued inside atomic(): a task backend that stores tasks in the
+        # database (django-tasks-db) loses the task if it rolls back, and the
+        # lease must go with it, or every retry is skipped until it runs out.
+        _release_on_rollback(ticket)
+        return result
 
     async def aenqueue(self, *args: Any, **kwargs: Any) -> Any:
         """:meth:`enqueue`, awaited."""
+        if TICKET_KWARG in kwargs:
+            raise TypeError(f"{TICKET_KWARG!r} is reserved for the lock's ticket.")
         if self.lock_options.scope != "queue":
             return await Task.aenqueue(self, *args, **kwargs)
         return await sync_to_async(self.enqueue)(*args, **kwargs)
@@ -449,6 +484,20 @@ def _release_ticket(ticket: Mapping[str, Any]) -> None:
         locks[ticket["backend"]].release_ticket(ticket)
     except Exception:
         logger.warning("Could not release the queue lease %r", ticket.get("name"), exc_info=True)
+
+
+def _release_on_rollback(ticket: Mapping[str, Any]) -> None:
+    """Release the queue lease of ``ticket`` if an open transaction rolls back.
+
+    Every database connection inside ``atomic()`` counts: the task backend's
+    own database is not known here. A rollback on another one releases the
+    lease of a task that was enqueued; its run then takes the lock afresh
+    (the ticket no longer adopts), so no two runs overlap, though a
+    duplicate may be enqueued meanwhile.
+    """
+    backend = locks[ticket["backend"]]
+    for connection in connections.all(initialized_only=True):
+        on_rollback(backend, functools.partial(_release_ticket, ticket), connection.alias)
 
 
 def _delay(run_after: datetime | None) -> float:

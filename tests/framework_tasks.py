@@ -74,6 +74,25 @@ async def asynchronous(key: str, log: str) -> int:
     return _body(key, log, None)
 
 
+_arrived: dict[str, Any] = {}
+
+
+@locked_task(key="meet:{key}", backend="locmem")
+async def rendezvous(key: str, log: str, count: int) -> int:
+    """Wait (10 s at most) until ``count`` bodies of this log have started: they overlap."""
+    import asyncio
+    import time
+
+    started = _arrived.setdefault(log, [])
+    started.append(key)
+    deadline = time.monotonic() + 10
+    while len(started) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(started)} of {count} bodies ran at once")
+        await asyncio.sleep(0.01)
+    return _body(key, log, None)
+
+
 # Run by db_worker processes: the lock is the database backend on the
 # worker's database, which every process shares.
 @locked_task(key="dedup:{key}", backend="db-sqlite", ttl=30)

@@ -225,6 +225,8 @@ else:
 if TASKS_FRAMEWORK is not None:
     TASKS: dict[str, Any] = {
         "default": {"BACKEND": f"{TASKS_FRAMEWORK}.backends.immediate.ImmediateBackend"},
+        # Keeps what is enqueued and runs nothing: a queued call's ticket stays.
+        "dummy": {"BACKEND": f"{TASKS_FRAMEWORK}.backends.dummy.DummyBackend"},
     }
     if find_spec("django_tasks_db") is not None:
         INSTALLED_APPS = [*INSTALLED_APPS, "django_tasks_db"]

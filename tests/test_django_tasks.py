@@ -9,6 +9,7 @@ django-tasks package; without either these tests are skipped.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 from asgiref.sync import async_to_sync
 from django.conf import settings
+from django.db import transaction
 from django.test import override_settings
 
 from django_dlock import LockTimeout, keys, locks, semaphore
@@ -345,12 +347,61 @@ def test_queue_scope_keys_the_arguments_as_the_worker_gets_them(log: str) -> Non
     assert locks["locmem"].get(f"queue:{list(key)}") is None
 
 
-def test_a_ticket_for_another_key_is_given_back(key: str, log: str) -> None:
+def test_a_ticket_for_another_key_is_left_alone(key: str, log: str) -> None:
+    """A ticket copied from another call's result must not end that call's lease."""
     other = locks["locmem"].acquire(f"queue:{key}-other", renew=False).detach()
     token = ft.queued.call(key, log, **{TICKET_KWARG: other})
     assert token is not None
     assert read_log(log)[0]["name"] == f"queue:{key}"
-    assert locks["locmem"].get(f"queue:{key}-other") is None
+    assert locks["locmem"].get(f"queue:{key}-other").token == other["token"]
+    locks["locmem"].release_ticket(other)
+
+
+def test_a_run_scope_call_neither_takes_nor_releases_a_ticket(key: str, log: str) -> None:
+    """The queue lease of a queued call, handed to a run-scope task: enqueue refuses it,
+    and a direct call leaves it to its owner."""
+    queued = ft.queued.using(backend="dummy").enqueue(key, log)
+    ticket = queued.kwargs[TICKET_KWARG]
+    with pytest.raises(TypeError, match="reserved"):
+        ft.skipping.enqueue(key, log, **{TICKET_KWARG: ticket})
+    with pytest.raises(TypeError, match="reserved"):
+        asyncio.run(ft.skipping.aenqueue(key, log, **{TICKET_KWARG: ticket}))
+    assert ft.skipping.call(key, log, **{TICKET_KWARG: ticket}) is not None
+    assert locks["locmem"].get(f"queue:{key}").token == ticket["token"]
+    assert ft.queued.using(backend="dummy").enqueue(key, log) is None  # still deduplicated
+    locks["locmem"].release_ticket(ticket)
+
+
+def test_a_forged_ticket_naming_no_backend_is_ignored(key: str, log: str) -> None:
+    forged = {**locks["locmem"].acquire(f"queue:{key}", renew=False).detach(), "backend": "nope"}
+    locks["locmem"].break_lock(f"queue:{key}")
+    assert ft.queued.call(key, log, **{TICKET_KWARG: forged}) is not None
+    assert len(read_log(log)) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rolled_back_enqueue_gives_its_queue_lease_back(key: str, log: str) -> None:
+    """The task's row is rolled back: so is the lease, or retries would be skipped."""
+    if "db" not in settings.TASKS:
+        pytest.skip("django-tasks-db is not installed")
+    task = ft.queued.using(backend="db")  # ttl 10 s; no worker: it never runs
+
+    class Rollback(Exception):
+        pass
+
+    with pytest.raises(Rollback):
+        with transaction.atomic():
+            assert task.enqueue(key, log) is not None
+            raise Rollback
+    deadline = time.monotonic() + 3
+    while locks["locmem"].get(f"queue:{key}") is not None:
+        assert time.monotonic() < deadline, "the lease outlived the rolled-back task"
+        time.sleep(0.01)
+    with transaction.atomic():
+        committed = task.enqueue(key, log)
+    assert committed is not None
+    assert task.enqueue(key, log) is None  # a committed enqueue keeps its lease
+    locks["locmem"].break_lock(f"queue:{key}")
 
 
 def test_holder_metadata_names_the_task_the_run_and_the_worker(key: str, log: str) -> None:
@@ -382,6 +433,20 @@ def test_enqueue_failure_releases_the_queue_lease(key: str, log: str) -> None:
         with pytest.raises(Exception, match="not valid"):
             ft.queued.enqueue(key, log)
     assert locks["locmem"].get(f"queue:{key}") is None
+
+
+def test_acalls_of_different_keys_run_at_once(log: str) -> None:
+    """Three async bodies each wait until all three have started: serialized, they could not."""
+
+    async def three() -> list[Any]:
+        keys_ = [f"k{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
+        return await asyncio.wait_for(
+            asyncio.gather(*(ft.rendezvous.acall(k, log, 3) for k in keys_)), 20
+        )
+
+    tokens = asyncio.run(three())
+    assert all(t is not None for t in tokens)
+    assert len(read_log(log)) == 3
 
 
 def test_acall_locks_like_call(key: str, log: str) -> None:
