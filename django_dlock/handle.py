@@ -140,6 +140,8 @@ class HeldLock:
     waited: float
     #: Whether the acquisition was refused at least once before the grant.
     contended: bool
+    #: Whether the lease was handed over (``adopt()`` of a ticket), not granted here.
+    adopted: bool
     #: The ``time.monotonic()`` instant the lease was granted here.
     acquired_at: float
     #: The key template the name was made from (``@lock``, ``@locked_task``,
@@ -165,6 +167,7 @@ class HeldLock:
         renew: bool,
         waited: float = 0.0,
         contended: bool = False,
+        adopted: bool = False,
     ) -> None:
         """The handle of a lease the lock service just granted to ``owner``.
 
@@ -176,7 +179,8 @@ class HeldLock:
         than ``ttl`` for a hand-over: the handle extends it), ``holder`` the
         metadata stored with it. With ``renew`` the process's watchdog renews
         it every ``ttl / 3`` seconds. ``waited`` and ``contended`` describe
-        the acquisition (for ``lock_acquired``). Sends ``lock_acquired``; if a
+        the acquisition, ``adopted`` a lease handed over by ``detach()`` (for
+        ``lock_acquired``). Sends ``lock_acquired``; if a
         receiver raises, the lease is released and the error propagates.
         """
         self.backend = backend
@@ -188,6 +192,7 @@ class HeldLock:
         self.lost_reason = None
         self.waited = waited
         self.contended = contended
+        self.adopted = adopted
         self.acquired_at = time.monotonic()
         self.template = acquiring_template.get()
         self._mutex = threading.Lock()
@@ -224,6 +229,7 @@ class HeldLock:
                     held=self,
                     waited=waited,
                     contended=contended,
+                    adopted=adopted,
                 )
             except BaseException:
                 self.release_quietly()
@@ -276,12 +282,13 @@ class HeldLock:
         if not self.backend.do_check(self.name, self.owner):
             self._ensure_refused()
 
-    def _inherited(self) -> bool:
-        """This process was forked from the one that holds the lease."""
+    @property
+    def inherited(self) -> bool:
+        """True in a process forked from the one that holds the lease: it is not ours here."""
         return self._fork_generation != _fork_generation
 
     def _before_ensure(self) -> None:
-        if self._inherited():
+        if self.inherited:
             raise self._error(LockLost, _INHERITED)
         if self._state in (_RELEASED, _DETACHED):
             raise self._error(LockLost, f"was {self._state}")
@@ -307,7 +314,7 @@ class HeldLock:
 
     def _before_extend(self, ttl: float | None) -> float:
         ttl = self.ttl if ttl is None else validate_ttl(ttl)
-        if self._inherited():
+        if self.inherited:
             raise self._error(LockNotOwned, f"cannot be extended: it {_INHERITED}")
         if self._state != _HELD:
             raise self._error(LockNotOwned, f"cannot be extended: it was {self._state}")
@@ -336,7 +343,7 @@ class HeldLock:
         Also None in a process forked while the lease was held: the lease is
         the parent's, and leaving an inherited ``with`` block must not end it.
         """
-        if self._inherited():
+        if self.inherited:
             return None
         with self._mutex:
             if self._state in (_RELEASED, _DETACHED):
@@ -398,7 +405,7 @@ class HeldLock:
         it with the task. This handle no longer owns the lease: releasing it
         is a no-op and :meth:`ensure` raises :class:`LockLost`.
         """
-        if self._inherited():
+        if self.inherited:
             raise self._error(LockNotOwned, f"cannot be detached: it {_INHERITED}")
         with self._mutex:
             if self._state != _HELD:

@@ -10,6 +10,7 @@ one, so a silent server holds one thread, not one per probe.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -24,6 +25,16 @@ from .exceptions import BackendUnavailable
 #: backend -> (its ping under way, when it started by time.monotonic())
 _in_flight: dict[BaseLockBackend, tuple[Future[ServerStatus], float]] = {}
 _in_flight_mutex = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """The threads that would settle the pings under way did not come along."""
+    global _in_flight_mutex
+    _in_flight_mutex = threading.Lock()
+    _in_flight.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def ping_in_thread(backend: BaseLockBackend) -> tuple[Future[ServerStatus], float]:

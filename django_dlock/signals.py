@@ -4,9 +4,10 @@ Every signal is sent with ``sender`` = the backend class and these keyword
 arguments: ``backend`` (alias), ``name`` and ``token``; the handle-based ones
 also pass ``held`` (the :class:`~django_dlock.lock.HeldLock`).
 
-- ``lock_acquired``: a lease was granted. Also ``waited`` (seconds from the
-  start of the acquisition to the grant; 0 for an adopted lease) and
-  ``contended`` (the lock service refused it at least once first).
+- ``lock_acquired``: a lease was granted, or adopted (``adopt()`` of a
+  ticket). Also ``waited`` (seconds from the start of the acquisition to the
+  grant; 0 for an adopted lease), ``contended`` (the lock service refused it
+  at least once first) and ``adopted``.
 - ``lock_released``: its holder released it. Also ``held_for``: seconds since
   the grant.
 - ``lock_lost``: a holder found out its lease is gone (renewal refused or
@@ -18,8 +19,9 @@ also pass ``held`` (the :class:`~django_dlock.lock.HeldLock`).
   ``held_for``.
 - ``lock_timeout``: an acquisition gave up because its deadline passed while
   others held the lock (it is about to raise ``LockTimeout``; a one-shot try,
-  ``timeout=0``, counts). No ``token`` or ``held``; ``waited`` (seconds) and
-  ``template`` (the key template of the name, or None) instead.
+  ``timeout=0``, counts). No ``token`` or ``held``; ``timeout`` (the
+  acquisition's, 0 for a one-shot try), ``waited`` (seconds) and ``template``
+  (the key template of the name, or None) instead.
 
 - ``lock_broken``: an operator broke a lease with ``break_lock()``, the
   ``locks break`` command or the admin; ``token`` is the fencing token of the

@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -293,7 +294,7 @@ def test_locks_check_timeout_counts_a_silent_server_as_down(tmp_path: Path) -> N
     assert took < 9
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf"])
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan", "inf", "1e10"])
 def test_locks_check_refuses_a_timeout_that_is_not_positive_seconds(
     value: str, tmp_path: Path
 ) -> None:
@@ -301,3 +302,39 @@ def test_locks_check_refuses_a_timeout_that_is_not_positive_seconds(
     result = probe(tmp_path, "--backend", "locmem", "--timeout", value)
     assert result.returncode == 2
     assert "must be a positive number of seconds" in result.stderr
+
+
+@needs_redis
+def test_a_forked_child_starts_its_own_ping() -> None:
+    """The parent's ping under way has no thread in the child: the child must not wait on it."""
+    from django_dlock import locks
+    from django_dlock.exceptions import BackendUnavailable
+    from django_dlock.pings import ping_within
+
+    with black_hole() as port:
+        backends = {
+            "default": DB,
+            "silent": {"BACKEND": REDIS, "LOCATION": f"redis://127.0.0.1:{port}/0"},
+        }
+        with override_settings(DLOCK_BACKENDS=backends):
+            backend = locks["silent"]
+            with pytest.raises(BackendUnavailable):
+                ping_within(backend, 1.5)  # the parent's ping goes on waiting
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    try:
+                        ping_within(backend, 0.5)
+                    except BackendUnavailable as e:
+                        os.write(write, str(e).encode())
+                finally:
+                    os._exit(0)
+            os.close(write)
+            os.waitpid(pid, 0)
+            message = os.read(read, 1000).decode()
+            os.close(read)
+    # Its own ping, about 0.5 s old, not the parent's (1.5 s and more).
+    started = re.search(r"the ping started ([0-9.]+) s ago", message)
+    assert started is not None, message
+    assert float(started.group(1)) < 1.5, message

@@ -42,7 +42,7 @@ def test_the_dashboard_queries_exported_metrics() -> None:
     assert used - exported() == set()
     # Every metric of the table in docs/monitoring.md is on the dashboard.
     table = set(re.findall(r"^\| `(dlock_\w+)`", (DOCS / "monitoring.md").read_text(), re.M))
-    assert len(table) == 11
+    assert len(table) == 12
     assert {m.removesuffix("_total") for m in table} <= {
         re.sub(r"_(total|bucket)$", "", m) for m in used
     }

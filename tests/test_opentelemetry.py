@@ -73,6 +73,8 @@ def test_a_contended_wait_spans_the_wait_and_a_timeout_is_an_error(
     holder = locks["locmem"].acquire(name)
     with pytest.raises(LockTimeout):
         locks["locmem"].acquire(name, timeout=0.1)
+    with pytest.raises(LockTimeout):
+        locks["locmem"].acquire(name, timeout=0)
     threading.Timer(0.2, holder.release).start()
     with locks["locmem"].lock(name, timeout=5):
         pass
@@ -80,6 +82,8 @@ def test_a_contended_wait_spans_the_wait_and_a_timeout_is_an_error(
     timed_out = [s for s in waits if s.attributes["dlock.outcome"] == "timeout"]
     granted = [s for s in waits if s.attributes.get("dlock.contended")]
     assert len(timed_out) == 1 and timed_out[0].status.status_code is StatusCode.ERROR
+    refused = [s for s in waits if s.attributes["dlock.outcome"] == "refused"]
+    assert len(refused) == 1 and refused[0].status.status_code is StatusCode.UNSET
     assert timed_out[0].end_time - timed_out[0].start_time >= 100_000_000
     assert len(granted) == 1
     assert granted[0].end_time - granted[0].start_time >= 150_000_000
@@ -106,8 +110,10 @@ def test_a_detached_lease_ends_its_hold_here_and_starts_one_where_adopted(
     held = locks["locmem"].acquire(f"traced-handed:{uuid.uuid4().hex[:8]}")
     adopted = locks["locmem"].adopt(held.detach())
     adopted.release()
-    outcomes = [s.attributes["dlock.outcome"] for s in finished(exporter, "dlock.hold")]
-    assert outcomes == ["detached", "released"]
+    holds = finished(exporter, "dlock.hold")
+    assert [s.attributes["dlock.outcome"] for s in holds] == ["detached", "released"]
+    assert holds[1].attributes["dlock.adopted"] is True
+    assert len(finished(exporter, "dlock.wait")) == 1  # the adoption waited for nothing
 
 
 def test_a_templated_name_carries_its_pattern(

@@ -8,6 +8,7 @@ exposition a test project's ``/metrics`` view serves, parsed by
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -38,6 +39,7 @@ FAMILIES = {
     "dlock_acquisitions": "counter",
     "dlock_contended_acquisitions": "counter",
     "dlock_timeouts": "counter",
+    "dlock_refused_tries": "counter",
     "dlock_leases_lost": "counter",
     "dlock_breaks": "counter",
     "dlock_tasks_skipped": "counter",
@@ -112,8 +114,13 @@ def test_a_contended_grant_and_a_timeout(metrics: prometheus.Metrics) -> None:
     holder = locks["locmem"].acquire(name)
     with pytest.raises(LockTimeout):
         locks["locmem"].acquire(name, timeout=0.2)
+    with pytest.raises(LockTimeout):
+        locks["locmem"].acquire(name, timeout=0)
     assert value(metrics, "dlock_timeouts_total", **labels) == 1
+    assert value(metrics, "dlock_wait_seconds_count", **labels, outcome="timeout") == 1
     assert value(metrics, "dlock_wait_seconds_sum", **labels, outcome="timeout") >= 0.2
+    # A one-shot try is not a wait that ran out (skipped tasks, guarded views).
+    assert value(metrics, "dlock_refused_tries_total", **labels) == 1
     threading.Timer(0.3, holder.release).start()
     with locks["locmem"].lock(name, timeout=5):
         pass
@@ -148,7 +155,9 @@ def test_a_detached_lease_is_no_longer_held_here(metrics: prometheus.Metrics) ->
     adopted.release()
     second.release()
     assert value(metrics, "dlock_held_leases", **labels) == 0
-    assert value(metrics, "dlock_acquisitions_total", **labels) == 3
+    # The handed-over lease is one grant and one hold, ended where it was adopted.
+    assert value(metrics, "dlock_acquisitions_total", **labels) == 2
+    assert value(metrics, "dlock_hold_seconds_count", **labels) == 2
 
 
 def test_a_templated_name_is_labelled_by_its_template(metrics: prometheus.Metrics) -> None:
@@ -168,7 +177,7 @@ def test_a_templated_name_is_labelled_by_its_template(metrics: prometheus.Metric
     assert "dlock_acquisitions" in families
 
 
-def test_patterns_beyond_the_cap_are_counted_as_other() -> None:
+def test_patterns_beyond_the_cap_are_counted_as_other(caplog: pytest.LogCaptureFixture) -> None:
     metrics = prometheus.install(registry=CollectorRegistry(), max_patterns=2)
     try:
         for i in range(4):
@@ -178,6 +187,37 @@ def test_patterns_beyond_the_cap_are_counted_as_other() -> None:
         assert value(metrics, "dlock_acquisitions_total", backend="locmem", pattern="~other") == 2
     finally:
         prometheus.uninstall()
+    assert caplog.text.count("already labels 2 patterns") == 1  # once, not per lock
+
+
+def test_a_long_pattern_is_counted_as_other(metrics: prometheus.Metrics) -> None:
+    """Prometheus servers may refuse a scrape with long label values."""
+    with locks["locmem"].lock("x" * 101):
+        pass
+    with locks["locmem"].lock("y" * 100):
+        pass
+    assert value(metrics, "dlock_acquisitions_total", backend="locmem", pattern="~other") == 1
+    assert value(metrics, "dlock_acquisitions_total", backend="locmem", pattern="y" * 100) == 1
+
+
+def test_a_forked_child_does_not_count_its_parents_leases(metrics: prometheus.Metrics) -> None:
+    name = f"forked:{uuid.uuid4().hex[:8]}"
+    labels = {"backend": "locmem", "pattern": "forked:*"}
+    read, write = os.pipe()
+    with locks["locmem"].lock(name):
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave at once
+            try:
+                held = value(metrics, "dlock_held_leases", **labels)
+                os.write(write, str(held).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        assert value(metrics, "dlock_held_leases", **labels) == 1
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert float(os.read(read, 100).decode()) == 0
+    os.close(read)
 
 
 def test_skipped_and_deferred_task_calls(metrics: prometheus.Metrics, redis_servers: Any) -> None:
@@ -201,8 +241,10 @@ def test_a_queue_lease_adopted_by_its_run_keeps_the_task_pattern(
         ticket = locks["celery"].acquire(f"dedup-q:{key}", ttl=30, renew=False).detach()
     tasks.dedup_queued.apply((key, log), headers={HEADER: ticket})
     labels = {"backend": "celery", "pattern": "dedup-q:{key}"}
-    assert value(metrics, "dlock_acquisitions_total", **labels) == 2
-    assert value(metrics, "dlock_hold_seconds_count", **labels) == 2
+    # One lease: one grant and one wait (at enqueue), one hold (ended by the run).
+    assert value(metrics, "dlock_acquisitions_total", **labels) == 1
+    assert value(metrics, "dlock_wait_seconds_count", **labels, outcome="acquired") == 1
+    assert value(metrics, "dlock_hold_seconds_count", **labels) == 1
     assert value(metrics, "dlock_acquisitions_total", backend="celery", pattern="dedup-q:*") == 0
 
 

@@ -300,7 +300,7 @@ class Attempt:
                     )
                 if remaining is not None and remaining <= 0 and (refused or failure):
                     if failure is None:
-                        self._timed_out()
+                        self._timed_out(timeout)
                         raise LockTimeout(
                             f"Could not acquire lock {name!r} on backend {alias!r} "
                             f"within {timeout:g}s.",
@@ -402,13 +402,14 @@ class Attempt:
             raise
         return held
 
-    def _timed_out(self) -> None:
+    def _timed_out(self, timeout: float | None) -> None:
         """Send ``lock_timeout``: the deadline passed with the lock held by others."""
         if lock_timeout.receivers:
             lock_timeout.send(
                 sender=type(self.backend),
                 backend=self.alias,
                 name=self.name,
+                timeout=timeout,
                 waited=time.monotonic() - self.started,
                 template=acquiring_template.get(),
             )

@@ -536,7 +536,7 @@ class BaseLockBackend(RenamedCapabilities):
             )
         return HeldLock(
             self, t.name, adopter, t.token,
-            ttl=ttl, expires=sent + ttl, lease=ttl, holder=t.holder, renew=renew,
+            ttl=ttl, expires=sent + ttl, lease=ttl, holder=t.holder, renew=renew, adopted=True,
         )  # fmt: skip
 
     def release_ticket(self, ticket: Mapping[str, Any]) -> bool:

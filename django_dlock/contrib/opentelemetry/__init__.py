@@ -10,8 +10,10 @@ made:
 
 ``dlock.wait``
     From the start of the acquisition to its grant, or to its deadline
-    (status ERROR, ``dlock.outcome`` = ``"timeout"``). Recorded when the
-    wait ends, with its real start time.
+    (status ERROR, ``dlock.outcome`` = ``"timeout"``; a one-shot try,
+    ``timeout=0``, that found the lock held is ``"refused"``, not an error).
+    Recorded when the wait ends, with its real start time. A lease adopted
+    from a ticket has none (``dlock.adopted`` on its hold span).
 ``dlock.hold``
     From the grant to the release (``dlock.outcome`` = ``"released"``), the
     hand-over with ``detach()`` (``"detached"``) or the loss of the lease
@@ -97,26 +99,37 @@ class Tracing:
         now = time.time_ns()
         attributes = _attributes(backend, name, held.template)
         attributes["dlock.token"] = token
-        attributes["dlock.contended"] = contended
-        wait = self.tracer.start_span(
-            "dlock.wait", start_time=now - int(waited * 1e9), attributes=attributes
-        )
-        wait.set_attribute("dlock.outcome", "acquired")
-        wait.end(end_time=now)
+        if held.adopted:
+            attributes["dlock.adopted"] = True  # handed over: it waited where it was granted
+        else:
+            attributes["dlock.contended"] = contended
+            wait = self.tracer.start_span(
+                "dlock.wait", start_time=now - int(waited * 1e9), attributes=attributes
+            )
+            wait.set_attribute("dlock.outcome", "acquired")
+            wait.end(end_time=now)
         hold = self.tracer.start_span("dlock.hold", start_time=now, attributes=attributes)
         with self._mutex:
             self._holds[held] = hold
 
     def on_timeout(
-        self, backend: str, name: str, waited: float, template: str | None = None, **kw: Any
+        self,
+        backend: str,
+        name: str,
+        waited: float,
+        template: str | None = None,
+        timeout: float | None = None,
+        **kw: Any,
     ) -> None:
         now = time.time_ns()
         attributes = _attributes(backend, name, template)
-        attributes["dlock.outcome"] = "timeout"
+        # A one-shot try (timeout=0) that found the lock held is not an error.
+        attributes["dlock.outcome"] = "refused" if timeout == 0 else "timeout"
         wait = self.tracer.start_span(
             "dlock.wait", start_time=now - int(waited * 1e9), attributes=attributes
         )
-        wait.set_status(Status(StatusCode.ERROR, "timed out waiting for the lock"))
+        if timeout != 0:
+            wait.set_status(Status(StatusCode.ERROR, "timed out waiting for the lock"))
         wait.end(end_time=now)
 
     def _end(self, held: HeldLock, outcome: str, reason: str | None = None) -> None:

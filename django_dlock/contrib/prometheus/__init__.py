@@ -10,16 +10,17 @@ Every metric is labelled by ``backend`` (the alias) and ``pattern``: the key
 template a name was made from (``"invoice:{invoice_id}"`` for ``@lock``,
 ``@locked_task`` and guarded views), else :func:`name_pattern` of the name.
 Never the full name: one label value per invoice would grow without bound.
-A process keeps at most ``max_patterns`` distinct patterns; further ones are
-counted as ``"~other"``.
+A process keeps at most ``max_patterns`` distinct patterns; further ones,
+and patterns longer than ``MAX_PATTERN_LENGTH`` characters, are counted as
+``"~other"`` (a warning is logged the first time).
 
 ========================================  =========  ==========================================
 Metric                                    Type       What
 ========================================  =========  ==========================================
-``dlock_acquisitions_total``              counter    leases granted
+``dlock_acquisitions_total``              counter    leases granted (an adopted one is not)
 ``dlock_contended_acquisitions_total``    counter    of those, refused at least once first
 ``dlock_timeouts_total``                  counter    acquisitions that gave up at their deadline
-                                                     (one-shot tries, ``timeout=0``, included)
+``dlock_refused_tries_total``             counter    one-shot tries (``timeout=0``) refused
 ``dlock_leases_lost_total``               counter    leases their holder found gone
 ``dlock_breaks_total``                    counter    leases broken by an operator
 ``dlock_tasks_skipped_total``             counter    locked task calls skipped; label ``scope``
@@ -27,8 +28,8 @@ Metric                                    Type       What
 ``dlock_wait_seconds``                    histogram  time from the start of an acquisition to
                                                      its grant or timeout; label ``outcome``
                                                      (``acquired`` or ``timeout``)
-``dlock_hold_seconds``                    histogram  time from grant to release, hand-over
-                                                     (``detach()``) or loss
+``dlock_hold_seconds``                    histogram  time from grant (or adoption) to release
+                                                     or loss; not ended by a hand-over
 ``dlock_held_leases``                     gauge      leases held by this process now
 ``dlock_watchdog_lag_seconds``            gauge      how late this process's watchdog sends
                                                      renewals (0 when on time); ``backend`` only
@@ -37,6 +38,8 @@ Metric                                    Type       What
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 import weakref
@@ -67,10 +70,14 @@ from ...handle import HeldLock
 from ...watchdog import get_watchdog
 from .. import quiet_receiver
 
+logger = logging.getLogger("django_dlock")
+
 #: Pattern label for names beyond a process's ``max_patterns``.
 OTHER = "~other"
 #: Distinct patterns a process labels by, by default.
 MAX_PATTERNS = 200
+#: Longer patterns are counted as OTHER: Prometheus servers may refuse long label values.
+MAX_PATTERN_LENGTH = 100
 #: Buckets of ``dlock_wait_seconds``: a grant on the first try is a round
 #: trip (milliseconds); a contended wait lasts as long as a holder's work.
 WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 300)
@@ -105,6 +112,7 @@ class Metrics:
         self.pattern_of_name = pattern
         self.max_patterns = max_patterns
         self._patterns: set[str] = set()
+        self._warned = False
         self._mutex = threading.Lock()
         # Handles granted here, with their labels: the held-leases gauge
         # counts those still held when scraped (a detached or dropped handle
@@ -124,6 +132,12 @@ class Metrics:
         )
         self.timeouts = Counter(
             "dlock_timeouts", "Acquisitions that gave up at their deadline.", LABELS, **kw
+        )
+        self.refused = Counter(
+            "dlock_refused_tries",
+            "One-shot tries (timeout=0) refused because the lock was held.",
+            LABELS,
+            **kw,
         )
         self.lost = Counter("dlock_leases_lost", "Leases their holder found gone.", LABELS, **kw)
         self.breaks = Counter("dlock_breaks", "Leases broken by an operator.", LABELS, **kw)
@@ -145,7 +159,7 @@ class Metrics:
         )
         self.hold = Histogram(
             "dlock_hold_seconds",
-            "Seconds from a grant to its release, hand-over or loss.",
+            "Seconds from a grant or an adoption to its release or loss.",
             LABELS,
             buckets=HOLD_BUCKETS,
             **kw,
@@ -156,12 +170,16 @@ class Metrics:
             (signals.lock_acquired, self.on_acquired),
             (signals.lock_released, self.on_released),
             (signals.lock_lost, self.on_lost),
-            (signals.lock_detached, self.on_released),
+            (signals.lock_detached, self.on_detached),
             (signals.lock_timeout, self.on_timeout),
             (signals.lock_broken, self.on_broken),
             (signals.task_skipped, self.on_skipped),
             (signals.task_deferred, self.on_deferred),
         ]
+
+    def forked(self) -> None:
+        """In a child after ``fork()``: a new mutex (the held gauge skips inherited leases)."""
+        self._mutex = threading.Lock()
 
     def connect(self) -> None:
         for signal, receiver in self._receivers:
@@ -173,7 +191,7 @@ class Metrics:
         for signal, receiver in self._receivers:
             signal.disconnect(receiver, dispatch_uid=(id(self), receiver.__name__))
         for collector in (
-            self.acquisitions, self.contended, self.timeouts, self.lost, self.breaks,
+            self.acquisitions, self.contended, self.timeouts, self.refused, self.lost, self.breaks,
             self.skipped, self.deferred, self.wait, self.hold, self.state,
         ):  # fmt: skip
             self.registry.unregister(collector)
@@ -184,10 +202,21 @@ class Metrics:
         if pattern in self._patterns:
             return pattern
         with self._mutex:
-            if len(self._patterns) >= self.max_patterns:
-                return OTHER
-            self._patterns.add(pattern)
-        return pattern
+            if len(pattern) <= MAX_PATTERN_LENGTH and len(self._patterns) < self.max_patterns:
+                self._patterns.add(pattern)
+                return pattern
+            warn, self._warned = not self._warned, True
+        if warn:
+            logger.warning(
+                "django-dlock's metrics count lock %r as pattern %r: %s. Names made from a "
+                "key template are labelled by it; for others, pass pattern= to install().",
+                name,
+                OTHER,
+                f"its pattern is over {MAX_PATTERN_LENGTH} characters"
+                if len(pattern) > MAX_PATTERN_LENGTH
+                else f"this process already labels {self.max_patterns} patterns",
+            )
+        return OTHER
 
     def _labels(self, backend: str, name: str, template: str | None) -> tuple[str, str]:
         self.backends.add(backend)
@@ -213,6 +242,8 @@ class Metrics:
         labels = self._labels(backend, name, held.template)
         with self._mutex:
             self._held[held] = labels
+        if held.adopted:
+            return  # counted where it was granted
         acquisitions, contended, wait, _ = self._children(labels)
         acquisitions.inc()
         if held.contended:
@@ -221,6 +252,11 @@ class Metrics:
 
     def on_released(self, backend: str, name: str, held: HeldLock, **kwargs: Any) -> None:
         self._ended(backend, name, held, kwargs.get("held_for"))
+
+    def on_detached(self, backend: str, name: str, held: HeldLock, **kwargs: Any) -> None:
+        """Handed over: no longer held here, and its hold goes on where it is adopted."""
+        with self._mutex:
+            self._held.pop(held, None)
 
     def on_lost(self, backend: str, name: str, held: HeldLock, **kwargs: Any) -> None:
         labels = self._ended(backend, name, held, kwargs.get("held_for"))
@@ -238,9 +274,18 @@ class Metrics:
         return labels
 
     def on_timeout(
-        self, backend: str, name: str, waited: float, template: str | None = None, **kwargs: Any
+        self,
+        backend: str,
+        name: str,
+        waited: float,
+        template: str | None = None,
+        timeout: float | None = None,
+        **kwargs: Any,
     ) -> None:
         labels = self._labels(backend, name, template)
+        if timeout == 0:
+            self.refused.labels(*labels).inc()  # a try, not a wait
+            return
         self.timeouts.labels(*labels).inc()
         self.wait.labels(*labels, "timeout").observe(waited)
 
@@ -265,7 +310,7 @@ class Metrics:
             entries = list(self._held.items())
         counts: dict[tuple[str, str], int] = {}
         for held, labels in entries:
-            if not (held.released or held.detached or held.lost):
+            if not (held.released or held.detached or held.lost or held.inherited):
                 counts[labels] = counts.get(labels, 0) + 1
         return counts
 
@@ -296,6 +341,17 @@ class _StateCollector(Collector):
 
 _installed: Metrics | None = None
 _install_mutex = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A mutex held by another thread at fork() stays held in the child: make new ones."""
+    global _install_mutex
+    _install_mutex = threading.Lock()
+    if _installed is not None:
+        _installed.forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def install(

@@ -18,6 +18,7 @@ import contextlib
 import gc
 import json
 import shlex
+import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -507,7 +508,8 @@ def _seconds(value: str) -> float:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
+    # threading's waits take up to TIMEOUT_MAX seconds (about 292 years).
+    if not 0 < seconds < threading.TIMEOUT_MAX:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {value!r}")
     return seconds
 
