@@ -49,9 +49,7 @@ Deferred calls (``on_locked="defer"``): see :mod:`django_dlock.parking`.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 import logging
 import threading
 import time
@@ -67,15 +65,13 @@ from celery.signals import task_revoked, worker_ready
 from django.core import checks
 from kombu.utils.uuid import uuid
 
-from . import conf
-from ._validation import validate_timeout, validate_ttl
-from .backends.slots import SlotView, validate_limit
 from .exceptions import LockLost, LockTimeout
 from .handle import HeldLock
 from .handler import locks
 from .keys import KeyTemplate, templated
 from .parking import ORDER_HEADER, header, park_payload, send_parked, send_parked_calls
 from .signals import task_deferred, task_skipped
+from .task_options import TaskLockOptions, hashed_key, parse_common
 
 __all__ = [
     "HEADER",
@@ -91,7 +87,6 @@ logger = logging.getLogger("django_dlock.celery")
 #: Message header that carries a queue-scope lease's ticket to the worker.
 HEADER = "django_dlock"
 ON_LOCKED = ("skip", "retry", "raise", "wait", "defer")
-SCOPES = ("run", "queue")
 
 #: Visibility timeouts of the transports that redeliver unacknowledged
 #: messages, when ``broker_transport_options`` does not set one (kombu's defaults).
@@ -110,17 +105,10 @@ _running: ContextVar[tuple[tuple[Task, str | None, HeldLock], ...]] = ContextVar
 
 
 @dataclass(frozen=True)
-class LockOptions:
+class LockOptions(TaskLockOptions):
     """The ``lock={...}`` options of a locked task, validated."""
 
-    key: str | None = None
-    ttl: float | None = None
-    backend: str = conf.DEFAULT_ALIAS
-    on_locked: str = "skip"
-    scope: str = "run"
-    timeout: float | None = None
     countdown: float | None = None
-    limit: int | None = None
 
     @classmethod
     def parse(cls, value: Any, task: str = "the task") -> LockOptions:
@@ -131,39 +119,16 @@ class LockOptions:
             return value
         if not isinstance(value, Mapping):
             raise TypeError(f"lock options of {task} must be a dict, not {type(value).__name__}.")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise TypeError(
-                f"Unknown lock options {unknown!r} for {task}; the options are {sorted(known)!r}."
-            )
-        key = value.get("key")
-        if key is not None and (not isinstance(key, str) or not key):
-            raise TypeError(f"lock key of {task} must be a non-empty str template.")
-        ttl = value.get("ttl")
-        backend = value.get("backend", conf.DEFAULT_ALIAS)
-        if not isinstance(backend, str):
-            raise TypeError(f"lock backend of {task} must be an alias (str), not {backend!r}.")
-        on_locked = value.get("on_locked", "skip")
-        if on_locked not in ON_LOCKED:
-            raise ValueError(
-                f"on_locked of {task} must be one of {ON_LOCKED!r}, not {on_locked!r}."
-            )
-        scope = value.get("scope", "run")
-        if scope not in SCOPES:
-            raise ValueError(f"scope of {task} must be one of {SCOPES!r}, not {scope!r}.")
+        common = parse_common(value, task, cls.__dataclass_fields__, ON_LOCKED)
+        on_locked, scope = common["on_locked"], common["scope"]
         if on_locked == "retry" and scope == "queue":
             raise ValueError(
                 f"on_locked='retry' retries a running task, but in scope='queue' {task} is "
                 "refused while it is being enqueued; use 'skip', 'raise' or 'wait'."
             )
-        if "timeout" in value and on_locked != "wait":
-            raise ValueError(f"timeout applies to on_locked='wait' only ({task}).")
         if "countdown" in value and on_locked != "retry":
             raise ValueError(f"countdown applies to on_locked='retry' only ({task}).")
-        limit = value.get("limit")
-        limit = None if limit is None else validate_limit(limit)
-        if scope == "queue" and (limit is not None or on_locked == "defer"):
+        if scope == "queue" and (common["limit"] is not None or on_locked == "defer"):
             raise ValueError(
                 f"limit and on_locked='defer' apply to scope='run' only ({task}): a "
                 "semaphore's slot cannot travel with a message, nor be parked."
@@ -173,21 +138,7 @@ class LockOptions:
             isinstance(countdown, bool) or not isinstance(countdown, (int, float)) or countdown < 0
         ):
             raise ValueError(f"countdown of {task} must be a number of seconds >= 0.")
-        return cls(
-            key=key,
-            ttl=None if ttl is None else validate_ttl(ttl),
-            backend=backend,
-            on_locked=on_locked,
-            scope=scope,
-            timeout=validate_timeout(value.get("timeout")),
-            countdown=None if countdown is None else float(countdown),
-            limit=limit,
-        )
-
-    def target(self) -> Any:
-        """The backend to acquire on: the alias's, or its semaphore view with ``limit``."""
-        backend = locks[self.backend]
-        return backend if self.limit is None else SlotView(backend, self.limit, 1)
+        return cls(**common, countdown=None if countdown is None else float(countdown))
 
 
 class _CurrentLock:
@@ -258,12 +209,7 @@ class LockedTask(Task):  # type: ignore[misc]
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         if self.lock_options.key:
             return template.format(args, kwargs)
-        values = template.arguments(args, kwargs)
-        try:
-            text = json.dumps(values, sort_keys=True, separators=(",", ":"), default=repr)
-        except (TypeError, ValueError):
-            text = repr(sorted(values.items(), key=lambda item: item[0]))
-        return f"{self.name}:{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+        return hashed_key(self.name, template.arguments(args, kwargs))
 
     def lock_pattern(self) -> str:
         """What metrics label this task's locks by: its key template, else ``"<task name>:*"``."""

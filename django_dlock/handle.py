@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from django.dispatch import Signal
+
 from ._validation import validate_name, validate_ttl
 from .exceptions import BackendUnavailable, LockLost, LockNotOwned
 from .keys import acquiring_template
@@ -365,14 +367,7 @@ class HeldLock:
                 LockNotOwned, "was not held at release: the lease expired or was broken"
             )
         if lock_released.receivers:
-            lock_released.send(
-                sender=type(self.backend),
-                backend=self.alias,
-                name=self.name,
-                token=self.token,
-                held=self,
-                held_for=time.monotonic() - self.acquired_at,
-            )
+            self._send_ended(lock_released)
 
     # --- async: the backend's awaitable primitives (native, or a worker thread).
 
@@ -422,14 +417,7 @@ class HeldLock:
                 get_watchdog().schedule(self, 0)
             raise
         if lock_detached.receivers:
-            lock_detached.send(
-                sender=type(self.backend),
-                backend=self.alias,
-                name=self.name,
-                token=self.token,
-                held=self,
-                held_for=time.monotonic() - self.acquired_at,
-            )
+            self._send_ended(lock_detached)
         return Ticket(
             self.alias, self.name, self.owner, self.token, self.ttl, self.holder, state
         ).to_dict()
@@ -477,6 +465,17 @@ class HeldLock:
         """The lease ended (or moved) through this handle: nothing to end when it is freed."""
         if self._forgotten is not None:
             self._forgotten.detach()
+
+    def _send_ended(self, signal: Signal) -> None:
+        """``lock_released`` or ``lock_detached``: the lease is no longer held here."""
+        signal.send(
+            sender=type(self.backend),
+            backend=self.alias,
+            name=self.name,
+            token=self.token,
+            held=self,
+            held_for=time.monotonic() - self.acquired_at,
+        )
 
     def _send_lost(self) -> None:
         logger.warning(

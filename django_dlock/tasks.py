@@ -50,9 +50,7 @@ The queue-scope lifecycle, walked through in time:
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
-import json
 import logging
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -63,14 +61,13 @@ from typing import Any, cast
 from asgiref.sync import sync_to_async
 from django.db import connections
 
-from . import conf, keys
-from ._validation import validate_timeout, validate_ttl
-from .backends.slots import SlotView, validate_limit
+from . import keys
 from .exceptions import LockConfigurationError, LockLost, LockTimeout
 from .handle import HeldLock
 from .handler import locks
 from .keys import KeyTemplate
 from .signals import task_skipped
+from .task_options import TaskLockOptions, hashed_key, parse_common
 from .transactions import on_rollback
 
 try:
@@ -113,7 +110,6 @@ logger = logging.getLogger("django_dlock.tasks")
 #: The keyword argument that carries a queue-scope lease's ticket to the worker.
 TICKET_KWARG = "django_dlock_ticket"
 ON_LOCKED = ("skip", "raise", "wait")
-SCOPES = ("run", "queue")
 #: Celery's ``on_locked`` values that the task framework cannot honour, and why.
 CELERY_ONLY = {
     "retry": "the task framework has no retry",
@@ -130,69 +126,25 @@ _started: ContextVar[Any] = ContextVar("django_dlock_tasks_started", default=Non
 
 
 @dataclass(frozen=True)
-class LockOptions:
+class LockOptions(TaskLockOptions):
     """The lock options of a locked task, validated."""
-
-    key: str | None = None
-    ttl: float | None = None
-    backend: str = conf.DEFAULT_ALIAS
-    on_locked: str = "skip"
-    scope: str = "run"
-    timeout: float | None = None
-    limit: int | None = None
 
     @classmethod
     def parse(cls, value: Mapping[str, Any], task: str = "the task") -> LockOptions:
         """Validate the options given to ``locked_task``; errors name ``task``."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise TypeError(
-                f"Unknown lock options {unknown!r} for {task}; the options are {sorted(known)!r}."
-            )
-        key = value.get("key")
-        if key is not None and (not isinstance(key, str) or not key):
-            raise TypeError(f"lock key of {task} must be a non-empty str template.")
-        ttl = value.get("ttl")
-        backend = value.get("backend", conf.DEFAULT_ALIAS)
-        if not isinstance(backend, str):
-            raise TypeError(f"lock backend of {task} must be an alias (str), not {backend!r}.")
         on_locked = value.get("on_locked", "skip")
         if on_locked in CELERY_ONLY:
             raise ValueError(
                 f"on_locked={on_locked!r} of {task} is Celery-only ({CELERY_ONLY[on_locked]}); "
                 f"use one of {ON_LOCKED!r}."
             )
-        if on_locked not in ON_LOCKED:
-            raise ValueError(
-                f"on_locked of {task} must be one of {ON_LOCKED!r}, not {on_locked!r}."
-            )
-        scope = value.get("scope", "run")
-        if scope not in SCOPES:
-            raise ValueError(f"scope of {task} must be one of {SCOPES!r}, not {scope!r}.")
-        if "timeout" in value and on_locked != "wait":
-            raise ValueError(f"timeout applies to on_locked='wait' only ({task}).")
-        limit = value.get("limit")
-        limit = None if limit is None else validate_limit(limit)
-        if scope == "queue" and limit is not None:
+        common = parse_common(value, task, cls.__dataclass_fields__, ON_LOCKED)
+        if common["scope"] == "queue" and common["limit"] is not None:
             raise ValueError(
                 f"limit applies to scope='run' only ({task}): a semaphore's slot cannot "
                 "travel with an enqueued task."
             )
-        return cls(
-            key=key,
-            ttl=None if ttl is None else validate_ttl(ttl),
-            backend=backend,
-            on_locked=on_locked,
-            scope=scope,
-            timeout=validate_timeout(value.get("timeout")),
-            limit=limit,
-        )
-
-    def target(self) -> Any:
-        """The backend to acquire on: the alias's, or its semaphore view with ``limit``."""
-        backend = locks[self.backend]
-        return backend if self.limit is None else SlotView(backend, self.limit, 1)
+        return cls(**common)
 
 
 def current_lock() -> HeldLock | None:
@@ -236,12 +188,7 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         if self.lock_options.key:
             return template.format(args, kwargs)
-        values = template.arguments(args, kwargs)
-        try:
-            text = json.dumps(values, sort_keys=True, separators=(",", ":"), default=repr)
-        except (TypeError, ValueError):
-            text = repr(sorted(values.items(), key=lambda item: item[0]))
-        return f"{self.module_path}:{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+        return hashed_key(self.module_path, template.arguments(args, kwargs))
 
     # --- running ----------------------------------------------------------------------
 

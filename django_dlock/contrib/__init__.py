@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+from django.dispatch import Signal
 
 logger = logging.getLogger("django_dlock")
 
@@ -26,3 +30,55 @@ def quiet_receiver(receiver: Callable[..., None]) -> Callable[..., None]:
             logger.exception("django-dlock's %s receiver failed", receiver.__qualname__)
 
     return quiet
+
+
+class Receivers:
+    """Signal receivers connected and disconnected together, each one quiet."""
+
+    receivers: list[tuple[Signal, Callable[..., None]]]
+
+    def connect(self) -> None:
+        for signal, receiver in self.receivers:
+            signal.connect(
+                quiet_receiver(receiver), weak=False, dispatch_uid=(id(self), receiver.__name__)
+            )
+
+    def disconnect(self) -> None:
+        for signal, receiver in self.receivers:
+            signal.disconnect(dispatch_uid=(id(self), receiver.__name__))
+
+    def forked(self) -> None:
+        """In a child process after ``fork()``: replace what a thread of the parent may hold."""
+
+
+R = TypeVar("R", bound=Receivers)
+
+
+class Installation(Generic[R]):
+    """An integration's one installation in a process: what ``install()`` connected."""
+
+    def __init__(self) -> None:
+        self.current: R | None = None
+        self._mutex = threading.Lock()
+        os.register_at_fork(after_in_child=self._forked)
+
+    def install(self, make: Callable[[], R]) -> R:
+        """Make and connect it, unless it is installed already: then that one."""
+        with self._mutex:
+            if self.current is None:
+                receivers = make()
+                receivers.connect()
+                self.current = receivers
+            return self.current
+
+    def uninstall(self) -> None:
+        with self._mutex:
+            if self.current is not None:
+                self.current.disconnect()
+                self.current = None
+
+    def _forked(self) -> None:
+        # A mutex held by another thread at fork() stays held in the child.
+        self._mutex = threading.Lock()
+        if self.current is not None:
+            self.current.forked()

@@ -32,10 +32,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
-
-from django.dispatch import Signal
 
 try:
     from opentelemetry import trace
@@ -48,7 +45,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ... import signals
 from ...handle import HeldLock
-from .. import quiet_receiver
+from .. import Installation, Receivers
 
 #: The instrumentation scope of the spans.
 SCOPE = "django_dlock"
@@ -61,14 +58,14 @@ def _attributes(backend: str, name: str, template: str | None) -> dict[str, Any]
     return attributes
 
 
-class Tracing:
+class Tracing(Receivers):
     """The receivers of one :func:`install`, and the hold spans still open."""
 
     def __init__(self, tracer_provider: TracerProvider | None = None) -> None:
         self.tracer = trace.get_tracer(SCOPE, tracer_provider=tracer_provider)
         self._mutex = threading.Lock()
         self._holds: weakref.WeakKeyDictionary[HeldLock, Span] = weakref.WeakKeyDictionary()
-        self._receivers: list[tuple[Signal, Callable[..., None]]] = [
+        self.receivers = [
             (signals.lock_acquired, self.on_acquired),
             (signals.lock_timeout, self.on_timeout),
             (signals.lock_released, self.on_released),
@@ -76,15 +73,10 @@ class Tracing:
             (signals.lock_lost, self.on_lost),
         ]
 
-    def connect(self) -> None:
-        for signal, receiver in self._receivers:
-            signal.connect(
-                quiet_receiver(receiver), weak=False, dispatch_uid=(id(self), receiver.__name__)
-            )
-
-    def disconnect(self) -> None:
-        for signal, receiver in self._receivers:
-            signal.disconnect(receiver, dispatch_uid=(id(self), receiver.__name__))
+    def forked(self) -> None:
+        """In a child after ``fork()``: a new mutex (its hold spans are the parent's)."""
+        self._mutex = threading.Lock()
+        self._holds = weakref.WeakKeyDictionary()
 
     def on_acquired(
         self,
@@ -153,8 +145,7 @@ class Tracing:
         self._end(held, "lost", reason or "unknown")
 
 
-_installed: Tracing | None = None
-_install_mutex = threading.Lock()
+_installation: Installation[Tracing] = Installation()
 
 
 def install(tracer_provider: TracerProvider | None = None) -> Tracing:
@@ -163,19 +154,9 @@ def install(tracer_provider: TracerProvider | None = None) -> Tracing:
     Once per process: a second call returns what is installed, unless
     :func:`uninstall` came first.
     """
-    global _installed
-    with _install_mutex:
-        if _installed is None:
-            tracing = Tracing(tracer_provider)
-            tracing.connect()
-            _installed = tracing
-        return _installed
+    return _installation.install(lambda: Tracing(tracer_provider))
 
 
 def uninstall() -> None:
     """Disconnect the spans; hold spans still open are not ended."""
-    global _installed
-    with _install_mutex:
-        if _installed is not None:
-            _installed.disconnect()
-            _installed = None
+    _installation.uninstall()

@@ -39,7 +39,6 @@ Metric                                    Type       What
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -68,7 +67,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from ... import signals
 from ...handle import HeldLock
 from ...watchdog import get_watchdog
-from .. import quiet_receiver
+from .. import Installation, Receivers
 
 logger = logging.getLogger("django_dlock")
 
@@ -97,7 +96,7 @@ def name_pattern(name: str) -> str:
     return f"{head}:*" if sep else name
 
 
-class Metrics:
+class Metrics(Receivers):
     """The metrics of one :func:`install`: its receivers and collectors."""
 
     def __init__(
@@ -166,7 +165,7 @@ class Metrics:
         )
         self.state = _StateCollector(self)
         registry.register(self.state)
-        self._receivers: list[tuple[Any, Callable[..., None]]] = [
+        self.receivers = [
             (signals.lock_acquired, self.on_acquired),
             (signals.lock_released, self.on_released),
             (signals.lock_lost, self.on_lost),
@@ -181,15 +180,9 @@ class Metrics:
         """In a child after ``fork()``: a new mutex (the held gauge skips inherited leases)."""
         self._mutex = threading.Lock()
 
-    def connect(self) -> None:
-        for signal, receiver in self._receivers:
-            signal.connect(
-                quiet_receiver(receiver), weak=False, dispatch_uid=(id(self), receiver.__name__)
-            )
-
     def disconnect(self) -> None:
-        for signal, receiver in self._receivers:
-            signal.disconnect(receiver, dispatch_uid=(id(self), receiver.__name__))
+        """Disconnect, and unregister the metrics from their registry."""
+        super().disconnect()
         for collector in (
             self.acquisitions, self.contended, self.timeouts, self.refused, self.lost, self.breaks,
             self.skipped, self.deferred, self.wait, self.hold, self.state,
@@ -339,19 +332,7 @@ class _StateCollector(Collector):
         yield lag
 
 
-_installed: Metrics | None = None
-_install_mutex = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    """A mutex held by another thread at fork() stays held in the child: make new ones."""
-    global _install_mutex
-    _install_mutex = threading.Lock()
-    if _installed is not None:
-        _installed.forked()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_installation: Installation[Metrics] = Installation()
 
 
 def install(
@@ -366,22 +347,14 @@ def install(
     process: a second call returns the metrics already installed, unless
     :func:`uninstall` came first.
     """
-    global _installed
-    with _install_mutex:
-        if _installed is None:
-            metrics = Metrics(REGISTRY if registry is None else registry, pattern, max_patterns)
-            metrics.connect()
-            _installed = metrics
-        return _installed
+    return _installation.install(
+        lambda: Metrics(REGISTRY if registry is None else registry, pattern, max_patterns)
+    )
 
 
 def uninstall() -> None:
     """Disconnect the metrics and unregister them from their registry."""
-    global _installed
-    with _install_mutex:
-        if _installed is not None:
-            _installed.disconnect()
-            _installed = None
+    _installation.uninstall()
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
@@ -390,5 +363,6 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     Any metrics endpoint of that registry serves them as well
     (``prometheus_client.start_http_server``, django-prometheus's view).
     """
-    registry = _installed.registry if _installed is not None else REGISTRY
+    installed = _installation.current
+    registry = installed.registry if installed is not None else REGISTRY
     return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

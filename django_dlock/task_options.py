@@ -1,0 +1,97 @@
+"""The lock options both task decorators take: Celery's and the task framework's.
+
+``django_dlock.celery`` and ``django_dlock.tasks`` each validate their
+``LockOptions`` here first, then add the rules of their own (Celery's
+``retry``, ``countdown`` and ``defer``; the task framework's refusal of them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import conf
+from ._validation import validate_timeout, validate_ttl
+from .backends.slots import SlotView, validate_limit
+from .handler import locks
+
+SCOPES = ("run", "queue")
+
+
+@dataclass(frozen=True)
+class TaskLockOptions:
+    """The options both decorators take, validated (each subclasses it as ``LockOptions``)."""
+
+    key: str | None = None
+    ttl: float | None = None
+    backend: str = conf.DEFAULT_ALIAS
+    on_locked: str = "skip"
+    scope: str = "run"
+    timeout: float | None = None
+    limit: int | None = None
+
+    def target(self) -> Any:
+        """The backend to acquire on: the alias's, or its semaphore view with ``limit``."""
+        return lock_target(self.backend, self.limit)
+
+
+def parse_common(
+    value: Mapping[str, Any], task: str, known: Iterable[str], on_locked: tuple[str, ...]
+) -> dict[str, Any]:
+    """``key``, ``ttl``, ``backend``, ``on_locked``, ``scope``, ``timeout`` and ``limit``, checked.
+
+    ``known`` are the option names the caller takes, ``on_locked`` its values
+    of that option; errors name ``task``.
+    """
+    known = set(known)
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise TypeError(
+            f"Unknown lock options {unknown!r} for {task}; the options are {sorted(known)!r}."
+        )
+    key = value.get("key")
+    if key is not None and (not isinstance(key, str) or not key):
+        raise TypeError(f"lock key of {task} must be a non-empty str template.")
+    ttl = value.get("ttl")
+    backend = value.get("backend", conf.DEFAULT_ALIAS)
+    if not isinstance(backend, str):
+        raise TypeError(f"lock backend of {task} must be an alias (str), not {backend!r}.")
+    when_locked = value.get("on_locked", "skip")
+    if when_locked not in on_locked:
+        raise ValueError(f"on_locked of {task} must be one of {on_locked!r}, not {when_locked!r}.")
+    scope = value.get("scope", "run")
+    if scope not in SCOPES:
+        raise ValueError(f"scope of {task} must be one of {SCOPES!r}, not {scope!r}.")
+    if "timeout" in value and when_locked != "wait":
+        raise ValueError(f"timeout applies to on_locked='wait' only ({task}).")
+    limit = value.get("limit")
+    return {
+        "key": key,
+        "ttl": None if ttl is None else validate_ttl(ttl),
+        "backend": backend,
+        "on_locked": when_locked,
+        "scope": scope,
+        "timeout": validate_timeout(value.get("timeout")),
+        "limit": None if limit is None else validate_limit(limit),
+    }
+
+
+def lock_target(backend: str, limit: int | None) -> Any:
+    """The backend to acquire on: the alias's, or its semaphore view with ``limit``."""
+    lock_backend = locks[backend]
+    return lock_backend if limit is None else SlotView(lock_backend, limit, 1)
+
+
+def hashed_key(task: str, arguments: Mapping[str, Any]) -> str:
+    """The default key of a call: ``task``, then a hash of its arguments' JSON.
+
+    SHA-256, so the key is the same in every process (``hash()`` is not).
+    """
+    try:
+        text = json.dumps(arguments, sort_keys=True, separators=(",", ":"), default=repr)
+    except (TypeError, ValueError):
+        text = repr(sorted(arguments.items(), key=lambda item: item[0]))
+    return f"{task}:{hashlib.sha256(text.encode()).hexdigest()[:32]}"
