@@ -213,6 +213,7 @@ def test_eager_duplicate_is_skipped_with_a_signal(log: str, tmp_path: Path) -> N
     [signal] = skipped
     assert (signal["name"], signal["backend"], signal["scope"]) == ("dedup:e2", "celery", "run")
     assert signal["task_id"] == duplicate.id
+    assert signal["template"] == "dedup:{key}"
     assert signal["sender"] is type(tasks.dedup._get_current_object())
 
 
