@@ -49,9 +49,12 @@ The queue-scope lifecycle, walked through in time:
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import functools
 import inspect
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -209,9 +212,19 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
 
         The lock is taken in a thread of its own (a wait must not hold the
         one thread that sync code called from async shares), then the body
-        runs as the framework's ``acall`` runs it.
+        runs as the framework's ``acall`` runs it. Cancelled while it waits,
+        the lease the thread gets after all is released.
         """
-        held = await sync_to_async(self._enter, thread_sensitive=False)(args, kwargs)
+        entering = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(contextvars.copy_context().run, self._enter, args, kwargs)
+        )
+        try:
+            held = await asyncio.shield(entering)
+        except asyncio.CancelledError:
+            # The thread goes on and may get the lease: nobody would run under
+            # it, so it is released as soon as it comes.
+            entering.add_done_callback(_release_unwanted)
+            raise
         if held is None:
             return None
         token = _running.set((*_running.get(), held))
@@ -433,8 +446,22 @@ def _release_ticket(ticket: Mapping[str, Any]) -> None:
         logger.warning("Could not release the queue lease %r", ticket.get("name"), exc_info=True)
 
 
+def _release_unwanted(entering: asyncio.Future[HeldLock | None]) -> None:
+    """Release what a cancelled ``acall()``'s thread got (off the event loop)."""
+    if entering.cancelled() or entering.exception() is not None:
+        return
+    held = entering.result()
+    if held is not None:
+        threading.Thread(
+            target=held.release_quietly, name="django-dlock-unwanted", daemon=True
+        ).start()
+
+
 def _release_on_rollback(ticket: Mapping[str, Any]) -> None:
     """Release the queue lease of ``ticket`` if an open transaction rolls back.
+
+    Also if an ``on_commit`` hook registered before this one raises: Django
+    then drops the hooks after it, which cannot be told from a rollback.
 
     Every database connection inside ``atomic()`` counts: the task backend's
     own database is not known here. A rollback on another one releases the

@@ -449,6 +449,26 @@ def test_acalls_of_different_keys_run_at_once(log: str) -> None:
     assert len(read_log(log)) == 3
 
 
+def test_an_acall_cancelled_while_it_waits_leaves_no_lease(key: str, log: str) -> None:
+    """The waiting thread gets the lease after the cancel: it must be released, not kept."""
+    blocker = locks["locmem"].acquire(f"wait:{key}")
+
+    async def cancel_while_waiting() -> None:
+        call = asyncio.ensure_future(ft.waiting.acall(key, log))
+        await asyncio.sleep(0.2)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        blocker.release()  # the thread's wait now ends with the lease
+
+    asyncio.run(cancel_while_waiting())
+    deadline = time.monotonic() + 5
+    while locks["locmem"].get(f"wait:{key}") is not None:
+        assert time.monotonic() < deadline, "the cancelled call's lease was kept"
+        time.sleep(0.01)
+    assert read_log(log) == []
+
+
 def test_acall_locks_like_call(key: str, log: str) -> None:
     token = async_to_sync(ft.skipping.acall)(key, log)
     assert read_log(log)[0]["token"] == token

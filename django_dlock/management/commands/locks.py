@@ -510,7 +510,10 @@ def _seconds(value: str) -> float:
         seconds = float("nan")
     # threading's waits take up to TIMEOUT_MAX seconds (about 292 years).
     if not 0 < seconds < threading.TIMEOUT_MAX:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {value!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be a positive number of seconds below {threading.TIMEOUT_MAX:.0f}, "
+            f"not {value!r}"
+        )
     return seconds
 
 
