@@ -32,11 +32,14 @@ from django.test import override_settings
 from django_dlock import LockTimeout, keys, locks, semaphore
 from django_dlock.signals import lock_acquired, task_skipped
 
-pytest.importorskip(
-    "django_dlock.tasks",
-    exc_type=ImportError,
-    reason="Django's task framework is not installed: Django 6+ or the django-tasks package",
-)
+try:
+    import django_dlock.tasks  # noqa: F401
+    from django_dlock.tasks import locked_task
+except ImportError:
+    pytest.skip(
+        "Django's task framework is not installed: Django 6+ or the django-tasks package",
+        allow_module_level=True,
+    )
 
 from django_dlock.tasks import (
     TICKET_KWARG,
@@ -91,6 +94,7 @@ def test_without_a_framework_the_import_error_says_what_to_install() -> None:
         "import sys\n"
         "for name in ('django.tasks', 'django_tasks'): sys.modules[name] = None\n"
         "import django_dlock.tasks\n"
+        "from django_dlock.tasks import locked_task\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
@@ -99,6 +103,30 @@ def test_without_a_framework_the_import_error_says_what_to_install() -> None:
     assert done.returncode == 1
     assert "ImportError: django_dlock.tasks needs Django's task framework" in done.stderr
     assert "django-dlock[tasks]" in done.stderr
+
+
+def test_without_a_framework_celery_still_autodiscovers_django_dlock() -> None:
+    """Celery imports every installed app's ``tasks`` module: ours must import without one."""
+    code = (
+        "import sys\n"
+        "for name in ('django.tasks', 'django_tasks'): sys.modules[name] = None\n"
+        "import django\n"
+        "django.setup()\n"
+        "from celery.loaders.base import find_related_module\n"
+        "from testproject.celery import app\n"
+        "app.autodiscover_tasks(force=True)\n"
+        "print(find_related_module('django_dlock', 'tasks').__name__)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "testproject")]),
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "django_dlock.tasks\n"
 
 
 @pytest.mark.django_db

@@ -1,0 +1,455 @@
+"""``@locked_task`` for Django's task framework: the implementation behind ``django_dlock.tasks``.
+
+Imported by ``django_dlock.tasks`` only once the framework is known to be
+installed; see that module for the options and the queue-scope lifecycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, cast
+
+from asgiref.sync import sync_to_async
+from django.db import connections
+
+from . import keys
+from .exceptions import LockConfigurationError, LockLost, LockTimeout
+from .handle import HeldLock
+from .handler import locks
+from .keys import KeyTemplate
+from .signals import task_skipped
+from .task_options import TaskLockOptions, hashed_key, parse_common
+from .transactions import on_rollback
+
+try:
+    from django.tasks import task_backends
+    from django.tasks.base import (
+        DEFAULT_TASK_BACKEND_ALIAS,
+        DEFAULT_TASK_PRIORITY,
+        DEFAULT_TASK_QUEUE_NAME,
+        Task,
+        TaskResult,
+    )
+    from django.tasks.signals import task_finished, task_started
+    from django.utils.json import normalize_json
+except ImportError:  # Django before 6: the django-tasks package (tasks.py checked it is there)
+    from django_tasks import task_backends  # type: ignore[no-redef,assignment,unused-ignore]
+    from django_tasks.base import (  # type: ignore[no-redef,assignment,unused-ignore]
+        DEFAULT_TASK_BACKEND_ALIAS,
+        DEFAULT_TASK_PRIORITY,
+        DEFAULT_TASK_QUEUE_NAME,
+        Task,
+        TaskResult,
+    )
+    from django_tasks.signals import (  # type: ignore[no-redef,assignment,unused-ignore]
+        task_finished,
+        task_started,
+    )
+    from django_tasks.utils import normalize_json  # type: ignore[no-redef,unused-ignore]
+
+__all__ = ["TICKET_KWARG", "LockOptions", "LockedTask", "current_lock", "locked_task"]
+
+logger = logging.getLogger("django_dlock.tasks")
+
+#: The keyword argument that carries a queue-scope lease's ticket to the worker.
+TICKET_KWARG = "django_dlock_ticket"
+ON_LOCKED = ("skip", "raise", "wait")
+#: Celery's ``on_locked`` values that the task framework cannot honour, and why.
+CELERY_ONLY = {
+    "retry": "the task framework has no retry",
+    "defer": (
+        "deferred calls are parked in the lock service and sent again through Celery; "
+        "the task framework has no such hook"
+    ),
+}
+
+# The lease each running locked task holds in this context, innermost last.
+_running: ContextVar[tuple[HeldLock, ...]] = ContextVar("django_dlock_tasks_running", default=())
+# The result the worker announced (task_started) for the run under way here.
+_started: ContextVar[Any] = ContextVar("django_dlock_tasks_started", default=None)
+
+
+@dataclass(frozen=True)
+class LockOptions(TaskLockOptions):
+    """The lock options of a locked task, validated."""
+
+    @classmethod
+    def parse(cls, value: Mapping[str, Any], task: str = "the task") -> LockOptions:
+        """Validate the options given to ``locked_task``; errors name ``task``."""
+        on_locked = value.get("on_locked", "skip")
+        if on_locked in CELERY_ONLY:
+            raise ValueError(
+                f"on_locked={on_locked!r} of {task} is Celery-only ({CELERY_ONLY[on_locked]}); "
+                f"use one of {ON_LOCKED!r}."
+            )
+        common = parse_common(value, task, cls.__dataclass_fields__, ON_LOCKED)
+        if common["scope"] == "queue" and common["limit"] is not None:
+            raise ValueError(
+                f"limit applies to scope='run' only ({task}): a semaphore's slot cannot "
+                "travel with an enqueued task."
+            )
+        return cls(**common)
+
+
+def current_lock() -> HeldLock | None:
+    """The lease of the locked task whose body runs here (innermost), else None.
+
+    ``current_lock().token`` is the run's fencing token.
+    """
+    running = _running.get()
+    return running[-1] if running else None
+
+
+def _caller_template(
+    key: str | None, func: Callable[..., Any], takes_context: bool
+) -> KeyTemplate:
+    """``key`` over the arguments callers pass: a ``context`` first parameter is dropped."""
+    signature = inspect.signature(func)
+    if takes_context:
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return KeyTemplate(key or "", signature, func.__qualname__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
+    """A task that runs each distinct call at most once at a time (see the module docstring).
+
+    ``lock_options`` and ``key_template`` are dataclass fields, so ``using()``
+    keeps them.
+    """
+
+    lock_options: LockOptions = field(default_factory=LockOptions)
+    key_template: KeyTemplate | None = field(default=None, compare=False, repr=False)
+
+    def _template(self) -> KeyTemplate:
+        if self.key_template is not None:
+            return self.key_template
+        return _caller_template(self.lock_options.key, self.func, self.takes_context)
+
+    def lock_key(self, args: Any = (), kwargs: Mapping[str, Any] | None = None) -> str:
+        """The lock name for a call with ``args`` and ``kwargs`` (no context argument)."""
+        template = self._template()
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        if self.lock_options.key:
+            return template.format(args, kwargs)
+        return hashed_key(self.module_path, template.arguments(args, kwargs))
+
+    # --- running ----------------------------------------------------------------------
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body under the lock; what workers (and ImmediateBackend) call."""
+        held = self._enter(args, kwargs)
+        if held is None:
+            return None
+        token = _running.set((*_running.get(), held))
+        try:
+            return Task.call(self, *args, **kwargs)
+        finally:
+            _running.reset(token)
+            held.release_quietly()
+
+    async def acall(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`call`, awaited.
+
+        The lock is taken in a thread of its own (a wait must not hold the
+        one thread that sync code called from async shares), then the body
+        runs as the framework's ``acall`` runs it. Cancelled while it waits,
+        the lease the thread gets after all is released.
+        """
+        entering = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(contextvars.copy_context().run, self._enter, args, kwargs)
+        )
+        try:
+            held = await asyncio.shield(entering)
+        except asyncio.CancelledError:
+            # The thread goes on and may get the lease: nobody would run under
+            # it, so it is released as soon as it comes.
+            entering.add_done_callback(_release_unwanted)
+            raise
+        if held is None:
+            return None
+        token = _running.set((*_running.get(), held))
+        try:
+            return await Task.acall(self, *args, **kwargs)
+        finally:
+            _running.reset(token)
+            await held.arelease_quietly()
+
+    def _enter(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HeldLock | None:
+        """The run's lease: the queue lease its ticket hands over, or a new one (None: skip).
+
+        Takes the ticket out of ``kwargs``. Only a queue-scope task adopts
+        one: ``enqueue()`` refuses the keyword, so a run-scope call that has
+        it was not made by us, and its ticket is left to run out.
+        """
+        ticket = kwargs.pop(TICKET_KWARG, None)
+        call_args = args[1:] if self.takes_context else args
+        key = self.lock_key(call_args, kwargs)
+        held = None
+        if isinstance(ticket, Mapping) and self.lock_options.scope == "queue":
+            held = self._adopt(ticket, key)
+        elif ticket is not None:
+            logger.warning("Ignoring a lock ticket given to %s (run scope).", self.module_path)
+        if held is None:
+            held = self._acquire(
+                key, self.lock_options.ttl, True, self._task_id(args), call_args, kwargs
+            )
+        return held
+
+    def _task_id(self, args: tuple[Any, ...]) -> str | None:
+        if self.takes_context and args:
+            result = getattr(args[0], "task_result", None)
+        else:
+            result = _started.get()
+        task = getattr(result, "task", None)
+        if task is None or getattr(task, "func", None) is not self.func:
+            return None
+        return getattr(result, "id", None)
+
+    def _adopt(self, ticket: Mapping[str, Any], key: str) -> HeldLock | None:
+        if ticket.get("name") != key:
+            # Not this call's lease: a ticket passed by hand, maybe copied from
+            # another call's result. Releasing it would end that call's lease.
+            logger.warning(
+                "Ignoring the lock ticket of %s: it names %r, not this call's %r.",
+                self.module_path, ticket.get("name"), key,
+            )  # fmt: skip
+            return None
+        try:
+            backend = locks[ticket["backend"]]
+            with keys.templated(self.lock_pattern()):
+                return backend.adopt(ticket, ttl=self.lock_options.ttl or backend.default_ttl)
+        except LockLost:
+            logger.info(
+                "The queue lease of %s on %r ran out, was broken or was adopted by another "
+                "run; acquiring it as on_locked says.",
+                self.module_path,
+                ticket.get("name"),
+            )
+        except (KeyError, TypeError, ValueError, LockConfigurationError) as e:
+            logger.warning("Ignoring a malformed lock ticket on %s: %s", self.module_path, e)
+        return None
+
+    def lock_pattern(self) -> str:
+        """What metrics label this task's locks by: its key template, else ``"<task path>:*"``."""
+        return self.lock_options.key or f"{self.module_path}:*"
+
+    def _acquire(
+        self, key: str, ttl: float | None, renew: bool, task_id: str | None, args: Any, kwargs: Any
+    ) -> HeldLock | None:
+        """Acquire for a run (``renew``) or an enqueue, else do what ``on_locked`` says.
+
+        None: the call is skipped.
+        """
+        options = self.lock_options
+        scope = "run" if renew else "queue"
+        metadata = {
+            "task_id": task_id,
+            "task_name": self.module_path,
+            "worker": _worker_id(task_id),
+            "scope": scope,
+        }
+        try:
+            with keys.templated(self.lock_pattern()):
+                return self._acquire_on(key, ttl, renew, metadata)
+        except LockTimeout:
+            if options.on_locked != "skip":
+                raise
+        logger.info(
+            "Skipped %s[%s]: lock %r on %r is held (%s scope).",
+            self.module_path, task_id, key, options.backend, scope,
+        )  # fmt: skip
+        task_skipped.send(
+            sender=type(self), task=self, task_id=task_id, name=key, backend=options.backend,
+            scope=scope, args=args, kwargs=kwargs, template=self.lock_pattern(),
+        )  # fmt: skip
+        return None
+
+    def _acquire_on(
+        self, key: str, ttl: float | None, renew: bool, metadata: dict[str, Any]
+    ) -> HeldLock:
+        options = self.lock_options
+        held: HeldLock = options.target().acquire(
+            key,
+            ttl=ttl,
+            timeout=options.timeout if options.on_locked == "wait" else 0,
+            metadata=metadata,
+            renew=renew,
+        )
+        return held
+
+    # --- enqueueing -------------------------------------------------------------------
+
+    def enqueue(self, *args: Any, **kwargs: Any) -> Any:
+        """The framework's ``enqueue()``; in queue scope, take the lock first (None: skipped)."""
+        if TICKET_KWARG in kwargs:
+            raise TypeError(f"{TICKET_KWARG!r} is reserved for the lock's ticket.")
+        if self.lock_options.scope != "queue":
+            return Task.enqueue(self, *args, **kwargs)
+        # The key of the arguments as the worker will get them (JSON: a tuple
+        # arrives as a list), so that the run finds its ticket's name.
+        key = self.lock_key(
+            normalize_json(list(args)), cast(dict[str, Any], normalize_json(kwargs))
+        )
+        backend = locks[self.lock_options.backend]
+        # The lease covers the wait in the queue, and the wait until run_after.
+        ttl = (self.lock_options.ttl or backend.default_ttl) + _delay(self.run_after)
+        # Not renewed: if the call never runs, the lease must run out.
+        held = self._acquire(key, ttl, False, None, args, kwargs)
+        if held is None:
+            return None
+        ticket = held.detach()
+        try:
+            result = Task.enqueue(self, *args, **kwargs, **{TICKET_KWARG: ticket})
+        except BaseException:
+            _release_ticket(ticket)
+            raise
+        # Enqueued inside atomic(): a task backend that stores tasks in the
+        # database (django-tasks-db) loses the task if it rolls back, and the
+        # lease must go with it, or every retry is skipped until it runs out.
+        _release_on_rollback(ticket)
+        return result
+
+    async def aenqueue(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`enqueue`, awaited."""
+        if TICKET_KWARG in kwargs:
+            raise TypeError(f"{TICKET_KWARG!r} is reserved for the lock's ticket.")
+        if self.lock_options.scope != "queue":
+            return await Task.aenqueue(self, *args, **kwargs)
+        return await sync_to_async(self.enqueue)(*args, **kwargs)
+
+
+def locked_task(function: Callable[..., Any] | None = None, /, **options: Any) -> Any:
+    """The framework's ``@task`` making a :class:`LockedTask`; its options pass through.
+
+    Lock options are keywords (``key``, ``ttl``, ``backend``, ``on_locked``,
+    ``scope``, ``timeout``, ``limit``) or a ``lock={...}`` dict. ``backend``
+    is the lock backend alias; the task backend (``TASKS`` alias), which
+    shares the name in ``@task``, is passed as ``task_backend=``. ``priority``, ``queue_name`` and
+    ``takes_context`` pass through. Works bare (``@locked_task``).
+    """
+    given = options.pop("lock", None) or {}
+    if not isinstance(given, Mapping):
+        raise TypeError(f"lock options must be a dict, not {type(given).__name__}.")
+    lock = dict(given)
+    for name in LockOptions.__dataclass_fields__:
+        if name in options:
+            if name in lock:
+                raise TypeError(f"Lock option {name!r} is given twice.")
+            lock[name] = options.pop(name)
+    task_backend = options.pop("task_backend", DEFAULT_TASK_BACKEND_ALIAS)
+    passed = {"priority", "queue_name", "takes_context"}
+    unknown = sorted(set(options) - passed)
+    if unknown:
+        raise TypeError(
+            f"Unknown options {unknown!r} for locked_task; lock options are "
+            f"{sorted(LockOptions.__dataclass_fields__)!r}, task options "
+            f"{sorted({*passed, 'task_backend'})!r}."
+        )
+
+    def create(func: Callable[..., Any]) -> LockedTask:
+        name = f"{func.__module__}.{func.__qualname__}"
+        parsed = LockOptions.parse(lock, name)
+        takes_context = bool(options.get("takes_context", False))
+        # Fail where the task is defined, not when it first runs.
+        template = _caller_template(parsed.key, func, takes_context)
+        task_class = task_backends[task_backend].task_class
+        if not issubclass(LockedTask, task_class):
+            raise TypeError(
+                f"locked_task cannot lock {name}: task backend {task_backend!r} makes "
+                f"{task_class.__qualname__} tasks, and a LockedTask is a plain Task."
+            )
+        task_options: dict[str, Any] = {
+            "priority": DEFAULT_TASK_PRIORITY,
+            "queue_name": DEFAULT_TASK_QUEUE_NAME,
+            **options,
+        }
+        return LockedTask(
+            func=func,
+            backend=task_backend,
+            run_after=None,
+            lock_options=parsed,
+            key_template=template,
+            **task_options,
+        )
+
+    if function is not None:
+        if not callable(function):
+            raise TypeError("locked_task takes keyword options only: @locked_task(key=...).")
+        return create(function)
+    return create
+
+
+def _release_ticket(ticket: Mapping[str, Any]) -> None:
+    try:
+        locks[ticket["backend"]].release_ticket(ticket)
+    except Exception:
+        logger.warning("Could not release the queue lease %r", ticket.get("name"), exc_info=True)
+
+
+def _release_unwanted(entering: asyncio.Future[HeldLock | None]) -> None:
+    """Release what a cancelled ``acall()``'s thread got (off the event loop)."""
+    if entering.cancelled() or entering.exception() is not None:
+        return
+    held = entering.result()
+    if held is not None:
+        threading.Thread(
+            target=held.release_quietly, name="django-dlock-unwanted", daemon=True
+        ).start()
+
+
+def _release_on_rollback(ticket: Mapping[str, Any]) -> None:
+    """Release the queue lease of ``ticket`` if an open transaction rolls back.
+
+    Also if an ``on_commit`` hook registered before this one raises: Django
+    then drops the hooks after it, which cannot be told from a rollback.
+
+    Every database connection inside ``atomic()`` counts: the task backend's
+    own database is not known here. A rollback on another one releases the
+    lease of a task that was enqueued; its run then takes the lock afresh
+    (the ticket no longer adopts), so no two runs overlap, though a
+    duplicate may be enqueued meanwhile.
+    """
+    backend = locks[ticket["backend"]]
+    for connection in connections.all(initialized_only=True):
+        on_rollback(backend, functools.partial(_release_ticket, ticket), connection.alias)
+
+
+def _delay(run_after: datetime | None) -> float:
+    """Seconds until a task with this ``run_after`` may run."""
+    if run_after is None:
+        return 0.0
+    if run_after.tzinfo is None:
+        run_after = run_after.replace(tzinfo=timezone.utc)
+    return max((run_after - datetime.now(timezone.utc)).total_seconds(), 0.0)
+
+
+def _worker_id(task_id: str | None) -> str | None:
+    """The id of the worker running ``task_id`` here, if the worker said (``task_started``)."""
+    result = _started.get()
+    if task_id is None or getattr(result, "id", None) != task_id:
+        return None
+    workers = getattr(result, "worker_ids", None)
+    return str(workers[-1]) if workers else None
+
+
+def _remember_started(sender: Any, task_result: TaskResult, **kwargs: Any) -> None:  # type: ignore[type-arg,unused-ignore]
+    """The worker announces each run before it calls the task: keep its result for task_id."""
+    _started.set(task_result)
+
+
+def _forget_started(sender: Any, task_result: TaskResult, **kwargs: Any) -> None:  # type: ignore[type-arg,unused-ignore]
+    _started.set(None)
+
+
+task_started.connect(_remember_started, dispatch_uid="django_dlock.tasks.started")
+task_finished.connect(_forget_started, dispatch_uid="django_dlock.tasks.finished")
