@@ -382,3 +382,26 @@ def test_a_failing_metric_never_fails_the_lock(caplog: pytest.LogCaptureFixture)
         prometheus.uninstall()
     assert "Metrics.on_acquired receiver failed" in caplog.text
     assert "no pattern for you" in caplog.text
+
+
+@override_settings(ROOT_URLCONF="tests.urls")
+def test_guarded_views_are_labelled_by_their_key(metrics: prometheus.Metrics) -> None:
+    """A view's 409 is a refused try (timeout=0), under the view's key template."""
+    client = Client()
+    assert client.get("/order/7/").status_code == 200
+    with locks["locmem"].lock("order:8"):
+        assert client.get("/409/order/8/").status_code == 409
+    labels = {"backend": "locmem", "pattern": "order:{order_id}"}
+    assert value(metrics, "dlock_acquisitions_total", **labels) == 1
+    assert value(metrics, "dlock_refused_tries_total", **labels) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_locked_saves_are_labelled_by_their_key(metrics: prometheus.Metrics) -> None:
+    from django_dlock.saves import DEFAULT_KEY, locked_save
+    from tests.models import Document
+
+    doc = Document.objects.create(title="a")
+    locked_save(doc, backend="locmem").release()
+    labels = {"backend": "locmem", "pattern": DEFAULT_KEY}
+    assert value(metrics, "dlock_acquisitions_total", **labels) == 1
