@@ -71,7 +71,7 @@ from .handler import locks
 from .keys import KeyTemplate, templated
 from .parking import ORDER_HEADER, header, park_payload, send_parked, send_parked_calls
 from .signals import task_deferred, task_skipped
-from .task_options import TaskLockOptions, hashed_key, parse_common
+from .task_options import TaskLockOptions, call_key, parse_common
 
 __all__ = [
     "HEADER",
@@ -205,11 +205,7 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def lock_key(self, args: Any = (), kwargs: Mapping[str, Any] | None = None) -> str:
         """The lock name for a call with ``args`` and ``kwargs``."""
-        template = self._template()
-        args, kwargs = tuple(args or ()), dict(kwargs or {})
-        if self.lock_options.key:
-            return template.format(args, kwargs)
-        return hashed_key(self.name, template.arguments(args, kwargs))
+        return call_key(self._template(), self.name, args, kwargs)
 
     def lock_pattern(self) -> str:
         """What metrics label this task's locks by: its key template, else ``"<task name>:*"``."""

@@ -27,7 +27,7 @@ from .handle import HeldLock
 from .handler import locks
 from .keys import KeyTemplate
 from .signals import task_skipped
-from .task_options import TaskLockOptions, hashed_key, parse_common
+from .task_options import TaskLockOptions, call_key, parse_common
 from .transactions import on_rollback
 
 try:
@@ -137,11 +137,7 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
 
     def lock_key(self, args: Any = (), kwargs: Mapping[str, Any] | None = None) -> str:
         """The lock name for a call with ``args`` and ``kwargs`` (no context argument)."""
-        template = self._template()
-        args, kwargs = tuple(args or ()), dict(kwargs or {})
-        if self.lock_options.key:
-            return template.format(args, kwargs)
-        return hashed_key(self.module_path, template.arguments(args, kwargs))
+        return call_key(self._template(), self.module_path, args, kwargs)
 
     # --- running ----------------------------------------------------------------------
 

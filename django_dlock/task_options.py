@@ -17,6 +17,7 @@ from . import conf
 from ._validation import validate_timeout, validate_ttl
 from .backends.slots import SlotView, validate_limit
 from .handler import locks
+from .keys import KeyTemplate
 
 SCOPES = ("run", "queue")
 
@@ -95,3 +96,14 @@ def hashed_key(task: str, arguments: Mapping[str, Any]) -> str:
     except (TypeError, ValueError):
         text = repr(sorted(arguments.items(), key=lambda item: item[0]))
     return f"{task}:{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+
+
+def call_key(template: KeyTemplate, task: str, args: Any, kwargs: Any) -> str:
+    """The lock name of a call of ``task``: its key ``template`` filled, else ``hashed_key``.
+
+    A task without a ``key`` has a template of ``""``, which only binds the arguments.
+    """
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    if template.template:
+        return template.format(args, kwargs)
+    return hashed_key(task, template.arguments(args, kwargs))
