@@ -71,7 +71,13 @@ from .handler import locks
 from .keys import KeyTemplate, templated
 from .parking import ORDER_HEADER, header, park_payload, send_parked, send_parked_calls
 from .signals import task_deferred, task_skipped
-from .task_options import TaskLockOptions, call_key, parse_common
+from .task_options import (
+    MalformedTicket,
+    TaskLockOptions,
+    adopt_ticket,
+    call_key,
+    parse_common,
+)
 
 __all__ = [
     "HEADER",
@@ -249,9 +255,7 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def _adopt(self, ticket: Mapping[str, Any]) -> HeldLock | None:
         try:
-            backend = locks[ticket["backend"]]
-            with templated(self.lock_pattern()):
-                return backend.adopt(ticket, ttl=self.lock_options.ttl or backend.default_ttl)
+            return adopt_ticket(ticket, self.lock_options.ttl, self.lock_pattern())
         except LockLost:
             # It ran out or was broken before the task started, or another
             # delivery of this message adopted it (a redelivery): on_locked decides.
@@ -261,7 +265,7 @@ class LockedTask(Task):  # type: ignore[misc]
                 self.name,
                 ticket.get("name"),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except MalformedTicket as e:
             logger.warning("Ignoring a malformed lock ticket on %s: %s", self.name, e)
         return None
 

@@ -22,12 +22,18 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 
 from . import keys
-from .exceptions import LockConfigurationError, LockLost, LockTimeout
+from .exceptions import LockLost, LockTimeout
 from .handle import HeldLock
 from .handler import locks
 from .keys import KeyTemplate
 from .signals import task_skipped
-from .task_options import TaskLockOptions, call_key, parse_common
+from .task_options import (
+    MalformedTicket,
+    TaskLockOptions,
+    adopt_ticket,
+    call_key,
+    parse_common,
+)
 from .transactions import on_rollback
 
 try:
@@ -221,9 +227,7 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
             )  # fmt: skip
             return None
         try:
-            backend = locks[ticket["backend"]]
-            with keys.templated(self.lock_pattern()):
-                return backend.adopt(ticket, ttl=self.lock_options.ttl or backend.default_ttl)
+            return adopt_ticket(ticket, self.lock_options.ttl, self.lock_pattern())
         except LockLost:
             logger.info(
                 "The queue lease of %s on %r ran out, was broken or was adopted by another "
@@ -231,7 +235,7 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
                 self.module_path,
                 ticket.get("name"),
             )
-        except (KeyError, TypeError, ValueError, LockConfigurationError) as e:
+        except MalformedTicket as e:
             logger.warning("Ignoring a malformed lock ticket on %s: %s", self.module_path, e)
         return None
 

@@ -16,8 +16,10 @@ from typing import Any
 from . import conf
 from ._validation import validate_timeout, validate_ttl
 from .backends.slots import SlotView, validate_limit
+from .exceptions import LockConfigurationError
+from .handle import HeldLock
 from .handler import locks
-from .keys import KeyTemplate
+from .keys import KeyTemplate, templated
 
 SCOPES = ("run", "queue")
 
@@ -107,3 +109,22 @@ def call_key(template: KeyTemplate, task: str, args: Any, kwargs: Any) -> str:
     if template.template:
         return template.format(args, kwargs)
     return hashed_key(task, template.arguments(args, kwargs))
+
+
+def adopt_ticket(ticket: Mapping[str, Any], ttl: float | None, pattern: str) -> HeldLock:
+    """Adopt a queue lease's ``ticket`` for the run, labelled by ``pattern`` (its key template).
+
+    Raises ``LockLost`` if it ran out, was broken or was adopted already, and
+    ``MalformedTicket`` for one that is not a ticket of ours: a forged or stale
+    one, or one naming a backend alias this process does not have.
+    """
+    try:
+        backend = locks[ticket["backend"]]
+        with templated(pattern):
+            return backend.adopt(ticket, ttl=ttl or backend.default_ttl)
+    except (KeyError, TypeError, ValueError, LockConfigurationError) as e:
+        raise MalformedTicket(str(e)) from e
+
+
+class MalformedTicket(ValueError):
+    """A ticket that cannot be adopted whatever the lock service says."""

@@ -429,3 +429,14 @@ def test_a_parked_call_keeps_what_celerys_json_carries() -> None:
     assert tuple(data["args"]) == args and data["kwargs"] == {"when": args[0]}
     with pytest.raises(TypeError, match="JSON"):
         park_payload("t", (object(),), {}, {}, 1, None)
+
+
+def test_a_ticket_naming_an_unknown_backend_is_ignored(log: str) -> None:
+    """A forged or stale header must not fail the task: the run takes the lock afresh."""
+    held = locks["celery"].acquire("dedup-q:forged", ttl=30, renew=False)
+    ticket = {**held.detach(), "backend": "nope"}
+    locks["celery"].release_ticket({**ticket, "backend": "celery"})
+    result = tasks.dedup_queued.apply(("forged", log), headers={HEADER: ticket})
+    assert result.successful(), result.traceback
+    assert len(tasks.read_log(log)) == 1
+    assert held_names("dedup-q:forged") == []
