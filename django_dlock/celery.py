@@ -77,6 +77,7 @@ from .task_options import (
     adopt_ticket,
     call_key,
     parse_common,
+    skipped_by,
 )
 
 __all__ = [
@@ -255,7 +256,9 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def _adopt(self, ticket: Mapping[str, Any]) -> HeldLock | None:
         try:
-            return adopt_ticket(ticket, self.lock_options.ttl, self.lock_pattern())
+            return adopt_ticket(
+                ticket, self.lock_options.backend, self.lock_options.ttl, self.lock_pattern()
+            )
         except LockLost:
             # It ran out or was broken before the task started, or another
             # delivery of this message adopted it (a redelivery): on_locked decides.
@@ -375,7 +378,7 @@ class LockedTask(Task):  # type: ignore[misc]
         task_id = task_id or uuid()
         backend = locks[lock_options.backend]
         # The lease covers the wait in the queue; a countdown or eta adds to it.
-        ttl = (lock_options.ttl or backend.default_ttl) + _delay(options)
+        ttl = (lock_options.ttl or backend.default_ttl) + _delay(options, self.app)
         held = self._running_lease(task_id, key)
         if held is not None:
             held.extend(ttl)  # a retry of the running task: its lease goes with it
@@ -417,12 +420,14 @@ class LockedTask(Task):  # type: ignore[misc]
         kwargs: Any,
     ) -> None:
         alias = self.lock_options.backend
+        holder = skipped_by(alias, key, self.lock_options.limit)
         logger.info(
-            "Skipped %s[%s]: lock %r on %r is held (%s scope).",
+            "Skipped %s[%s]: lock %r on %r is held by %r (%s scope).",
             self.name,
             task_id,
             key,
             alias,
+            holder,
             scope,
         )
         task_skipped.send(
@@ -435,6 +440,7 @@ class LockedTask(Task):  # type: ignore[misc]
             args=args,
             kwargs=kwargs,
             template=self.lock_pattern(),
+            holder=holder,
         )
 
 
@@ -511,8 +517,14 @@ def _release_ticket(ticket: Mapping[str, Any]) -> None:
         logger.warning("Could not release the queue lease %r", ticket.get("name"), exc_info=True)
 
 
-def _delay(options: Mapping[str, Any]) -> float:
-    """Seconds until a message sent with these options may run (countdown or eta)."""
+def _delay(options: Mapping[str, Any], app: Any) -> float:
+    """Seconds until a message sent with these options may run (countdown or eta).
+
+    A naive ``eta`` is read as Celery's worker reads it: in the system's
+    local time zone (Django sets it to ``TIME_ZONE``) when the app's
+    ``timezone`` is UTC, else in the app's ``timezone``. Not as UTC: in New York that made the
+    lease hours too short, in Tokyo hours too long.
+    """
     countdown = options.get("countdown")
     if countdown is not None:
         return max(float(countdown), 0.0)
@@ -522,7 +534,7 @@ def _delay(options: Mapping[str, Any]) -> float:
     if isinstance(eta, str):
         eta = datetime.fromisoformat(eta)
     if eta.tzinfo is None:
-        eta = eta.replace(tzinfo=timezone.utc)
+        eta = eta.astimezone() if app.uses_utc_timezone() else eta.replace(tzinfo=app.timezone)
     return max((eta - datetime.now(timezone.utc)).total_seconds(), 0.0)
 
 
@@ -536,7 +548,8 @@ def _release_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> 
     if not isinstance(sender, LockedTask) or kwargs.get("terminated"):
         return
     ticket = _ticket(request)
-    if ticket is not None:
+    # Only a ticket of the task's own backend: one naming another is not its lease.
+    if ticket is not None and ticket.get("backend") == sender.lock_options.backend:
         _release_ticket(ticket)
 
 

@@ -37,8 +37,9 @@ A handle's ``template`` attribute is the key template its name was made from
 is held (``on_locked="skip"``), with ``sender`` = the task class and ``task``
 (the task), ``task_id``, ``name`` (the lock key), ``backend``, ``scope``
 (``"run"``: the body did not run; ``"queue"``: the message was not sent, or
-the task not enqueued), ``args``, ``kwargs`` and ``template`` (the task's key
-template, else ``"<task name>:*"``).
+the task not enqueued), ``args``, ``kwargs``, ``template`` (the task's key
+template, else ``"<task name>:*"``) and ``holder`` (the holder metadata of the
+lease that made it skip, None if it cannot be told).
 
 ``task_deferred`` is sent by ``django_dlock.celery`` when a call of a task
 with ``on_locked="defer"`` was parked (its message is acknowledged; it will be

@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from asgiref.sync import sync_to_async
 from django.db import connections
+from django.utils import timezone as dj_timezone
 
 from . import keys
 from .exceptions import LockLost, LockTimeout
@@ -33,6 +34,7 @@ from .task_options import (
     adopt_ticket,
     call_key,
     parse_common,
+    skipped_by,
 )
 from .transactions import on_rollback
 
@@ -227,7 +229,9 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
             )  # fmt: skip
             return None
         try:
-            return adopt_ticket(ticket, self.lock_options.ttl, self.lock_pattern())
+            return adopt_ticket(
+                ticket, self.lock_options.backend, self.lock_options.ttl, self.lock_pattern()
+            )
         except LockLost:
             logger.info(
                 "The queue lease of %s on %r ran out, was broken or was adopted by another "
@@ -264,13 +268,14 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
         except LockTimeout:
             if options.on_locked != "skip":
                 raise
+        holder = skipped_by(options.backend, key, options.limit)
         logger.info(
-            "Skipped %s[%s]: lock %r on %r is held (%s scope).",
-            self.module_path, task_id, key, options.backend, scope,
+            "Skipped %s[%s]: lock %r on %r is held by %r (%s scope).",
+            self.module_path, task_id, key, options.backend, holder, scope,
         )  # fmt: skip
         task_skipped.send(
             sender=type(self), task=self, task_id=task_id, name=key, backend=options.backend,
-            scope=scope, args=args, kwargs=kwargs, template=self.lock_pattern(),
+            scope=scope, args=args, kwargs=kwargs, template=self.lock_pattern(), holder=holder,
         )  # fmt: skip
         return None
 
@@ -425,11 +430,18 @@ def _release_on_rollback(ticket: Mapping[str, Any]) -> None:
 
 
 def _delay(run_after: datetime | None) -> float:
-    """Seconds until a task with this ``run_after`` may run."""
+    """Seconds until a task with this ``run_after`` may run.
+
+    A naive ``run_after`` is read in the current time zone
+    (``django.utils.timezone.get_current_timezone()``: ``TIME_ZONE`` unless
+    one is activated), as the task backends read it: with ``USE_TZ=False``
+    they store it as is and compare it with the local ``timezone.now()``.
+    (With ``USE_TZ=True`` the framework refuses a naive one before this.)
+    """
     if run_after is None:
         return 0.0
-    if run_after.tzinfo is None:
-        run_after = run_after.replace(tzinfo=timezone.utc)
+    if dj_timezone.is_naive(run_after):
+        run_after = dj_timezone.make_aware(run_after, dj_timezone.get_current_timezone())
     return max((run_after - datetime.now(timezone.utc)).total_seconds(), 0.0)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,8 @@ from .handler import locks
 from .keys import KeyTemplate, templated
 
 SCOPES = ("run", "queue")
+
+logger = logging.getLogger("django_dlock.tasks")
 
 
 @dataclass(frozen=True)
@@ -111,19 +114,47 @@ def call_key(template: KeyTemplate, task: str, args: Any, kwargs: Any) -> str:
     return hashed_key(task, template.arguments(args, kwargs))
 
 
-def adopt_ticket(ticket: Mapping[str, Any], ttl: float | None, pattern: str) -> HeldLock:
-    """Adopt a queue lease's ``ticket`` for the run, labelled by ``pattern`` (its key template).
+def adopt_ticket(
+    ticket: Mapping[str, Any], alias: str, ttl: float | None, pattern: str
+) -> HeldLock:
+    """Adopt a queue lease's ``ticket`` on the task's backend ``alias``, labelled ``pattern``.
 
+    Only on ``alias``, the lock backend the task is configured with: a ticket
+    naming any other alias is not this task's lease, whatever it says, and
+    adopting it there would run the body while the task's own key may be held.
     Raises ``LockLost`` if it ran out, was broken or was adopted already, and
     ``MalformedTicket`` for one that is not a ticket of ours: a forged or stale
-    one, or one naming a backend alias this process does not have.
+    one, or one naming another backend alias.
     """
     try:
-        backend = locks[ticket["backend"]]
+        named = ticket["backend"]
+        if named != alias:
+            raise ValueError(
+                f"the ticket names lock backend {named!r}, not the task's own {alias!r}"
+            )
+        backend = locks[alias]
         with templated(pattern):
             return backend.adopt(ticket, ttl=ttl or backend.default_ttl)
     except (KeyError, TypeError, ValueError, LockConfigurationError) as e:
         raise MalformedTicket(str(e)) from e
+
+
+def skipped_by(alias: str, key: str, limit: int | None) -> dict[str, Any] | None:
+    """Who holds ``key``, for a skipped call's log line and ``task_skipped``; one lookup.
+
+    The holder metadata of the lease on ``alias`` (host, pid, and what the
+    holder said: a view's path, another task's id), or None if it cannot be
+    told: a semaphore (``limit``), a lease that ended meanwhile, or a lookup
+    that failed. Never raises: it only explains a skip.
+    """
+    if limit is not None:
+        return None
+    try:
+        info = locks[alias].get(key)
+    except Exception:
+        logger.debug("Could not look up the holder of %r on %r", key, alias, exc_info=True)
+        return None
+    return None if info is None else dict(info.holder)
 
 
 class MalformedTicket(ValueError):

@@ -9,12 +9,17 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery
+from celery.signals import task_revoked
 from django.core import checks
+from django.test import override_settings
 from testproject.celery import app
 
 from django_dlock import LockTimeout, locks
@@ -440,3 +445,91 @@ def test_a_ticket_naming_an_unknown_backend_is_ignored(log: str) -> None:
     assert result.successful(), result.traceback
     assert len(tasks.read_log(log)) == 1
     assert held_names("dedup-q:forged") == []
+
+
+# --- a ticket is adopted only on the task's own lock backend ----------------------------
+
+
+def test_a_ticket_naming_another_backend_is_not_adopted(log: str) -> None:
+    """Found by review: the worker adopted a ticket on whichever backend it named, so a
+    forged or stale header ran the body while the task's own key was held. It is ignored as
+    a foreign ticket: the run acquires on the task's backend as on_locked says (skip)."""
+    name = "dedup-q:foreign"
+    # A real lease of the same name on another alias: adopting it there would succeed.
+    foreign = locks["locmem"].acquire(name, ttl=30, renew=False).detach()
+    skipped: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        skipped.append(kwargs)
+
+    task_skipped.connect(receiver)
+    try:
+        with locks["celery"].acquire(name, timeout=0):  # the task's own key is held
+            result = tasks.dedup_queued.apply(("foreign", log), headers={HEADER: foreign})
+        assert result.successful(), result.traceback
+        assert result.result is None
+        assert tasks.read_log(log) == []
+        assert [(s["name"], s["backend"]) for s in skipped] == [(name, "celery")]
+        # Left alone, also by a revoked message carrying it: not this task's lease.
+        task_revoked.send(
+            sender=tasks.dedup_queued._get_current_object(),
+            request=SimpleNamespace(**{HEADER: foreign}),
+            terminated=False,
+        )
+        assert locks["locmem"].get(name).token == foreign["token"]
+        # With the key free, the run takes it on its own backend.
+        result = tasks.dedup_queued.apply(("foreign", log), headers={HEADER: foreign})
+        assert result.result == tasks.read_log(log)[0]["token"]
+        assert held_names(name) == []
+        assert locks["locmem"].get(name).token == foreign["token"]
+    finally:
+        task_skipped.disconnect(receiver)
+        locks["locmem"].release_ticket(foreign)
+
+
+# --- a naive eta ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zone", ["America/New_York", "Asia/Tokyo"])
+def test_a_naive_eta_is_read_as_the_worker_reads_it(log: str, zone: str) -> None:
+    """Celery's worker reads a naive eta in local time (TIME_ZONE; app timezone UTC): the
+    queue lease covers ttl=30 plus the 120 s until then, and a duplicate is not sent.
+    It was read as UTC: minutes-long waits got a lease hours short (New York) or long."""
+    assert app.uses_utc_timezone()
+    key = f"eta-{zone.replace('/', '-')}"
+    name = f"dedup-q:{key}"
+    with override_settings(TIME_ZONE=zone), app.connection_for_write() as conn:
+        queue = conn.SimpleQueue(app.conf.task_default_queue)
+        queue.clear()
+        try:
+            eta = datetime.now(ZoneInfo(zone)).replace(tzinfo=None) + timedelta(seconds=120)
+            assert tasks.dedup_queued.apply_async((key, log), eta=eta) is not None
+            [info] = locks["celery"].list(name)
+            assert 120 < info.expires_in <= 150, info.expires_in
+            assert tasks.dedup_queued.apply_async((key, log), eta=eta) is None
+            assert queue.qsize() == 1
+        finally:
+            locks["celery"].break_lock(name)
+            queue.clear()
+            queue.close()
+
+
+def test_a_skip_names_who_holds_the_key(log: str) -> None:
+    """on_locked="skip" (the default) drops a call whose key anything else holds, a view
+    for instance, and Celery records a success: task_skipped says who held it."""
+    skipped: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        skipped.append(kwargs)
+
+    task_skipped.connect(receiver)
+    try:
+        with locks["celery"].acquire("dedup:by-view", metadata={"view": "orders.pay"}):
+            result = tasks.dedup.apply(("by-view", log))
+    finally:
+        task_skipped.disconnect(receiver)
+    assert result.successful() and result.result is None
+    assert tasks.read_log(log) == []
+    [sent] = skipped
+    assert sent["holder"]["view"] == "orders.pay"
+    assert sent["holder"]["pid"] == os.getpid()

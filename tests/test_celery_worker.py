@@ -405,3 +405,34 @@ def test_parked_calls_survive_a_worker_killed_while_holding(
     assert max(e["inside"] for e in bodies) == 1
     assert len(bodies) == 4
     assert locks["celery"].do_list_parked(f"limited1:{key}") == []
+
+
+@pytest.mark.parametrize("worker", ["rabbitmq"], indirect=True)
+def test_a_ticket_naming_another_backend_does_not_run_the_body(worker: Worker, log: str) -> None:
+    """A message whose ticket names another lock backend alias, where a live lease of the
+    same name could be adopted (the "example" SQLite file every process shares), while the
+    task's own backend holds the key: the worker must not adopt it there and run the body.
+    Found by review: it adopted on whichever backend the ticket named."""
+    from celery import Task
+
+    from django_dlock.celery import HEADER
+
+    key = f"foreign-{uuid.uuid4().hex[:6]}"
+    name = f"dedup-q:{key}"
+    foreign = locks["example"].acquire(name, ttl=60, renew=False).detach()
+    try:
+        with locks["celery"].acquire(name, ttl=60):  # the task's own key is held
+            with app.connection_for_write(worker.broker) as conn, conn.Producer() as producer:
+                sent = Task.apply_async(  # past LockedTask.apply_async: the header as given
+                    tasks.dedup_queued,
+                    (key, log),
+                    headers={HEADER: foreign},
+                    producer=producer,
+                    queue=worker.queue,
+                )
+            assert worker.get(sent) is None  # skipped: on_locked="skip"
+        assert tasks.read_log(log) == []
+        info = locks["example"].get(name)
+        assert info is not None and info.token == foreign["token"]  # neither adopted nor ended
+    finally:
+        locks["example"].release_ticket(foreign)

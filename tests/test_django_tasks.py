@@ -643,3 +643,152 @@ def test_runs_and_skips_are_counted_under_the_key_template(key: str, log: str) -
     finally:
         prometheus.uninstall()
     assert len(read_log(log)) == 1
+
+
+# --- run_after in the project's time zone ------------------------------------------------
+
+ZONES = ("America/New_York", "Asia/Tokyo")
+
+
+def _task_backends() -> list[Any]:
+    """DummyBackend keeps what is enqueued; django-tasks-db stores it (no worker runs it)."""
+    marks = [pytest.mark.django_db]
+    if "db" not in getattr(settings, "TASKS", {}):
+        marks.append(pytest.mark.skip(reason="django-tasks-db is not installed"))
+    return ["dummy", pytest.param("db", marks=marks)]
+
+
+def _assert_lease_covers_the_wait(key: str, log: str, task: Any) -> None:
+    """ttl=10 plus the 120 s until run_after; a duplicate meanwhile is skipped."""
+    assert task.enqueue(key, log) is not None  # enqueued, not run: no worker here
+    lease = locks["locmem"].get(f"queue:{key}")
+    try:
+        assert lease is not None
+        assert 120 < lease.expires_in <= 130, lease.expires_in
+        assert task.enqueue(key, log) is None  # a duplicate meanwhile is skipped
+        assert ft.queued.enqueue(key, log) is None
+    finally:
+        locks["locmem"].break_lock(f"queue:{key}")
+    assert read_log(log) == []
+
+
+@pytest.mark.parametrize("zone", ZONES)
+@pytest.mark.parametrize("task_backend", _task_backends())
+def test_a_naive_run_after_is_read_in_time_zone_without_use_tz(
+    key: str, log: str, zone: str, task_backend: str
+) -> None:
+    """USE_TZ=False: run_after is local time in TIME_ZONE, as the task backends read it.
+
+    Found by review: it was read as UTC, so in New York the lease lasted 2 s
+    (a duplicate could be enqueued meanwhile) and in Tokyo 9 hours.
+    """
+    from zoneinfo import ZoneInfo
+
+    from django.utils import timezone as dj_timezone
+
+    with override_settings(USE_TZ=False, TIME_ZONE=zone):
+        now = datetime.now(ZoneInfo(zone)).replace(tzinfo=None)  # wall-clock time there
+        assert abs((dj_timezone.now() - now).total_seconds()) < 60  # what the backends compare
+        later = now + timedelta(seconds=120)
+        task = ft.queued.using(backend=task_backend, run_after=later)
+        _assert_lease_covers_the_wait(key, log, task)
+
+
+@pytest.mark.parametrize("zone", ZONES)
+@pytest.mark.parametrize("task_backend", _task_backends())
+def test_run_after_in_a_time_zone_with_use_tz(
+    key: str, log: str, zone: str, task_backend: str
+) -> None:
+    """USE_TZ=True: an aware run_after in any zone counts; a naive one is refused by the
+    framework before any lease is taken."""
+    from django.utils import timezone as dj_timezone
+
+    with override_settings(USE_TZ=True, TIME_ZONE=zone):
+        later = dj_timezone.localtime() + timedelta(seconds=120)
+        assert str(later.tzinfo) == zone
+        _assert_lease_covers_the_wait(
+            key, log, ft.queued.using(backend=task_backend, run_after=later)
+        )
+        # InvalidTaskError (django-tasks) or InvalidTask (Django 6): the name differs.
+        with pytest.raises(Exception, match="run_after must be an aware datetime"):
+            ft.queued.using(backend=task_backend, run_after=later.replace(tzinfo=None))
+        assert locks["locmem"].get(f"queue:{key}") is None
+
+
+@pytest.mark.parametrize("zone", ZONES)
+def test_a_naive_run_after_follows_an_activated_time_zone(zone: str) -> None:
+    """The current time zone, as Django reads naive datetimes: activate() overrides TIME_ZONE."""
+    from django.utils import timezone as dj_timezone
+
+    from django_dlock.task_framework import _delay
+
+    with override_settings(USE_TZ=False, TIME_ZONE="UTC"), dj_timezone.override(zone):
+        local = datetime.now(dj_timezone.get_current_timezone()).replace(tzinfo=None)
+        assert 110 < _delay(local + timedelta(seconds=120)) <= 120
+
+
+# --- a ticket is adopted only on the task's own lock backend ------------------------------
+
+
+def test_a_ticket_naming_another_backend_is_not_adopted(
+    key: str, log: str, skipped: list[dict[str, Any]]
+) -> None:
+    """Found by review: a ticket was adopted on whichever backend it named, so a forged or
+    stale one ran the body while the task's own key was held. It is ignored as a foreign
+    ticket: the run acquires on the task's backend as on_locked says (skip here)."""
+    name = f"queue:{key}"
+    # A real lease of the same name on another alias: adopting it there would succeed.
+    foreign = locks["example"].acquire(name, ttl=30, renew=False).detach()
+    try:
+        with locks["locmem"].acquire(name, ttl=30):  # the task's own key is held
+            assert ft.queued.call(key, log, **{TICKET_KWARG: foreign}) is None
+            assert async_to_sync(ft.queued.acall)(key, log, **{TICKET_KWARG: foreign}) is None
+        assert read_log(log) == []
+        assert [s["backend"] for s in skipped] == ["locmem", "locmem"]
+        # Left alone: it is not this task's lease to take up or end.
+        assert locks["example"].get(name).token == foreign["token"]
+        # With the key free, the run takes it on its own backend, not the foreign lease.
+        token = ft.queued.call(key, log, **{TICKET_KWARG: foreign})
+        assert [e["name"] for e in read_log(log)] == [name]
+        assert locks["locmem"].get(name) is None
+        assert token is not None
+        assert locks["example"].get(name).token == foreign["token"]
+    finally:
+        locks["example"].release_ticket(foreign)
+
+
+# --- a key held by a view: the default skip ------------------------------------------------
+
+
+def test_a_skip_because_a_view_holds_the_key_names_the_view(
+    key: str, log: str, skipped: list[dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """With on_locked="skip" (the default) a call whose key anything else holds, here a
+    guarded view, is dropped and its result is SUCCESSFUL: task_skipped and the log line
+    say who held it (docs/django-tasks.md, "Skipped is not failed")."""
+    from django.http import HttpResponse
+    from django.test import RequestFactory
+
+    from django_dlock.views import lock_view
+
+    @lock_view("skip:{key}", backend="locmem", metadata={"view": "orders.pay"})
+    def pay(request: Any, key: str) -> HttpResponse:
+        result = ft.skipping.enqueue(key, log)  # ImmediateBackend: runs here, skipped
+        return HttpResponse(f"{status(result)} {result.return_value}")
+
+    with caplog.at_level("INFO", logger="django_dlock.tasks"):
+        response = pay(RequestFactory().post("/"), key=key)
+    assert response.content == b"SUCCESSFUL None"  # dropped, and recorded as a success
+    assert read_log(log) == []
+    [sent] = skipped
+    assert sent["name"] == f"skip:{key}"
+    assert sent["holder"]["view"] == "orders.pay"
+    assert sent["holder"]["pid"] == os.getpid()
+    assert any(
+        "is held by" in r.getMessage() and "orders.pay" in r.getMessage() for r in caplog.records
+    )
+    # A semaphore's slots have no one holder to name.
+    with semaphore(f"limit:{key}", limit=2, backend="locmem"):
+        with semaphore(f"limit:{key}", limit=2, backend="locmem"):
+            assert ft.limited.enqueue(key, log).return_value is None
+    assert skipped[-1]["holder"] is None
