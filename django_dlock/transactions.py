@@ -241,12 +241,18 @@ def release_at_transaction_end(
     Without ``using``, see :func:`transaction_to_outlive`. Unless
     ``body_raised``, the lease is confirmed first, as a release would:
     ``LockLost`` if it was lost inside the block, so that the transaction,
-    whose work was not protected to the end, can roll back.
+    whose work was not protected to the end, can roll back. When the body
+    raised, an ambiguous case holds the lock to the end of every open
+    transaction rather than hide the body's error.
     """
     if using is None or strict:
         try:
             alias = transaction_to_outlive(held.backend, using, name=held.name)
         except AmbiguousTransaction:
+            if body_raised:
+                # The body's error matters more than this one: hold the lock
+                # to the end of every open transaction instead.
+                return release_at_transactions_end(held, open_transactions())
             held.release_quietly()
             raise
     else:

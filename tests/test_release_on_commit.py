@@ -159,3 +159,16 @@ def test_outside_a_transaction_nothing_changes(name: str) -> None:
     with lock(name, backend="locmem", release_on_commit=True, using="default") as held:
         pass
     assert held.released
+
+
+@_needs("db-postgresql")
+@pytest.mark.django_db(transaction=True, databases=["default", "postgresql"])
+def test_when_the_block_raises_an_ambiguous_case_holds_to_the_end_of_all(name: str) -> None:
+    """The block's own error is not hidden behind AmbiguousTransaction."""
+    with transaction.atomic(using="postgresql"):
+        with transaction.atomic(using="default"):
+            with pytest.raises(ValueError, match="the block's error"):
+                with lock(name, backend="locmem", release_on_commit=True):
+                    raise ValueError("the block's error")
+        assert _held_elsewhere(name, "locmem")  # default has committed, postgresql not yet
+    assert not _held_elsewhere(name, "locmem")

@@ -281,6 +281,7 @@ def test_the_database_backend_on_sqlite_answers_423_at_once_inside_the_transacti
     assert response.status_code == 423
     assert Client().post(f"/function/db-sqlite/default/{counter.pk}/").status_code == 200
     assert Counter.objects.get(pk=counter.pk).value == 1
+    assert locks["db-sqlite"].list(f"counter:{counter.pk}") == []  # released after the commit
 
 
 @pytest.mark.django_db  # Django's TestCase: its transaction never commits
