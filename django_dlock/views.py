@@ -11,8 +11,8 @@ released when it returns or raises, or, when the view runs inside a
 transaction (``ATOMIC_REQUESTS``, or an ``atomic()`` around it), when every
 such transaction has committed or rolled back (``release_on_commit=False``:
 when the view returns). A streamed response's body is sent after the
-release. While the view runs, ``request.dlock`` is the
-:class:`~django_dlock.HeldLock`: its ``token`` fences the view's writes.
+release. While the view runs, ``request.dlock`` (and :func:`current_lock`)
+is the :class:`~django_dlock.HeldLock`: its ``token`` fences the view's writes.
 
 With ``limit=N`` the lock is a semaphore: at most N requests run the view at
 once, and the next answers **429 Too Many Requests** (or ``status``), with
@@ -27,6 +27,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction
@@ -186,14 +187,30 @@ class _Guard:
             await held.arelease_quietly()
 
 
+#: The leases of the guarded views running in this thread or task, innermost last.
+_running: ContextVar[tuple[HeldLock, ...]] = ContextVar("django_dlock_views", default=())
+
+
+def current_lock() -> HeldLock | None:
+    """The lease of the guarded view that runs here (innermost), else None.
+
+    The same as ``request.dlock`` in the view, for code the view calls
+    without its request: ``current_lock().token`` fences its writes.
+    """
+    running = _running.get()
+    return running[-1] if running else None
+
+
 @contextlib.contextmanager
 def _lease_on(request: HttpRequest, held: HeldLock) -> Iterator[None]:
     """``request.dlock`` is ``held`` while the view runs (an outer guard's again after)."""
     outer = request.__dict__.get("dlock", _NONE)
     request.dlock = held  # type: ignore[attr-defined]
+    reset = _running.set((*_running.get(), held))
     try:
         yield
     finally:
+        _running.reset(reset)
         if outer is _NONE:
             del request.dlock  # type: ignore[attr-defined]
         else:

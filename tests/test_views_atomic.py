@@ -361,11 +361,14 @@ def test_a_guarded_view_fences_its_save_with_request_dlock() -> None:
     assert (row.title, row.fence) == ("newer", int(b.content))
 
 
-def test_a_class_based_view_finds_its_lease_on_self_request() -> None:
+def test_a_class_based_view_finds_its_lease_on_self_request_and_in_current_lock() -> None:
+    from django_dlock.views import current_lock
+
     first = Client().get("/lease/3/").content.decode().split()
     second = Client().get("/lease/3/").content.decode().split()
     assert first[0] == second[0] == "lease:3"
     assert int(second[1]) > int(first[1])
+    assert current_lock() is None  # outside a guarded view
 
 
 # --- the admin of a locked model ---------------------------------------------------------

@@ -22,7 +22,7 @@ from django.views import View
 
 from django_dlock.admin import LockedModelAdmin
 from django_dlock.exceptions import StaleWrite
-from django_dlock.views import LockRequiredMixin, lock_view
+from django_dlock.views import LockRequiredMixin, current_lock, lock_view
 from tests.models import Counter, Document, LockedDocument
 
 #: The backends the increment views lock on.
@@ -105,7 +105,9 @@ class LeaseView(LockRequiredMixin, View):
     lock_backend = "locmem"
 
     def get(self, request: HttpRequest, n: int) -> HttpResponse:
-        return HttpResponse(f"{self.request.dlock.name} {self.request.dlock.token}")  # type: ignore[attr-defined]
+        held = self.request.dlock  # type: ignore[attr-defined]
+        assert current_lock() is held
+        return HttpResponse(f"{held.name} {held.token}")
 
 
 site = admin.AdminSite(name="locked_admin")
