@@ -3,7 +3,7 @@
 Issue 27: ``@lock_view`` and ``LockRequiredMixin`` released when the view
 returned, before Django committed the request's transaction. The next
 request read the value before it was committed, and 40 concurrent
-increments ended at 24 to 38. These tests send real concurrent requests
+increments ended at 24 to 39. These tests send real concurrent requests
 from threads (each with its own connections) through Django's test client,
 with ``ATOMIC_REQUESTS`` switched on for the databases involved.
 """
@@ -107,7 +107,7 @@ def test_concurrent_increments_through_a_guarded_view_lose_nothing(
 ) -> None:
     """4 threads x 6 requests: the counter ends at 24, every answer 200.
 
-    Before the fix (a893e4f): 12 to 20 of 24 on PostgreSQL and MariaDB, with
+    Before the fix (a893e4f): 12 to 14 of 24 on PostgreSQL and MariaDB, with
     the database and the Redis backends; on SQLite, 500s ("database is
     locked"). ``slot`` is ``limit=1``: a semaphore's slot is held to the
     commit too. (The database backend on SQLite is not here: inside the
