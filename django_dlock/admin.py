@@ -11,6 +11,10 @@ Mutexes' leases come first, one row each; then the semaphores and read/write
 locks, one row per holder's slot, in a table of their own (same paging). A
 break of a slot names its fencing token, so it frees that holder's slot and
 no other: the break form says ``kind`` ("semaphore" or "rwlock").
+
+:class:`LockedModelAdmin` (or :class:`LockedModelAdminMixin`) is for the
+admins of ``LockedSaveMixin`` models: a save or delete that finds the
+instance's lock held is refused with a message, not a server error.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from urllib.parse import parse_qsl, urlencode
 from django.contrib import admin, messages
 from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.contenttypes.models import ContentType
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -31,7 +35,7 @@ from django.views.decorators.http import require_POST
 
 from . import holders
 from .backends.base import LockInfo
-from .exceptions import DLockError
+from .exceptions import DLockError, LockTimeout
 from .handler import locks
 from .models import LockListing
 
@@ -311,3 +315,78 @@ def _slot_row(slot: holders.Slot, now: datetime) -> dict[str, Any]:
         "acquired_at": None if lease is None else lease.acquired_at,
         "expires_at": None if lease is None or cells[8] == "never" else lease.expires_at,
     }
+
+
+class LockedModelAdminMixin:
+    """For a ``ModelAdmin`` of a ``LockedSaveMixin`` model: a held lock is a message, not a 500.
+
+    The change form is shown again with what the user typed and the error
+    "... is being changed elsewhere", so that saving again retries; a delete,
+    or a list_editable save on the change list, is refused with an error
+    message and a redirect to the same page. Nothing is saved or deleted
+    (the admin's transaction rolls back).
+    """
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        parent = super().changeform_view  # type: ignore[misc]
+        try:
+            return parent(request, object_id, form_url, extra_context)  # type: ignore[no-any-return]
+        except LockTimeout as e:
+            # Validate the same POST again, now refused: the form comes back
+            # with the user's input and the reason.
+            request._dlock_refused = _refusal(e, "saved")  # type: ignore[attr-defined]
+            return parent(request, object_id, form_url, extra_context)  # type: ignore[no-any-return]
+
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        form = super().get_form(request, obj, change, **kwargs)  # type: ignore[misc]
+        refused = getattr(request, "_dlock_refused", None)
+        if not isinstance(refused, str):
+            return form
+        message: str = refused
+
+        class RefusedForm(form):  # type: ignore[misc, valid-type]
+            def clean(self) -> Any:
+                cleaned = super().clean()
+                self.add_error(None, ValidationError(message, code="locked"))
+                return cleaned
+
+        return RefusedForm
+
+    def delete_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        try:
+            return super().delete_view(request, object_id, extra_context)  # type: ignore[misc, no-any-return]
+        except LockTimeout as e:
+            return self._refused(request, _refusal(e, "deleted"))
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        try:
+            return super().changelist_view(request, extra_context)  # type: ignore[misc, no-any-return]
+        except LockTimeout as e:
+            return self._refused(request, _refusal(e, "saved"))
+
+    def _refused(self, request: HttpRequest, message: str) -> HttpResponse:
+        messages.error(request, message)
+        return HttpResponseRedirect(request.get_full_path())
+
+
+def _refusal(error: LockTimeout, done: str) -> str:
+    return (
+        f"Not {done}: this object is being changed elsewhere (its lock {error.name!r} is "
+        "held). Nothing was changed; try again in a moment."
+    )
+
+
+class LockedModelAdmin(LockedModelAdminMixin, admin.ModelAdmin):  # type: ignore[type-arg]
+    """A ``ModelAdmin`` for ``LockedSaveMixin`` models; see :class:`LockedModelAdminMixin`."""

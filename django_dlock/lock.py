@@ -56,9 +56,12 @@ class Lock:
     ``DLOCK_BACKENDS``. ``metadata``: extra JSON-serializable holder details
     shown by ``manage.py locks``. ``renew``: let the watchdog renew the lease.
     ``release_on_commit``: leaving the block inside ``transaction.atomic()``
-    (of database ``using``, default "default") keeps the lock until that
-    transaction commits or rolls back, so that nobody reads what the block
-    wrote before it is committed.
+    keeps the lock until that transaction commits or rolls back, so that
+    nobody reads what the block wrote before it is committed. The
+    transaction is the one open on ``using``; without ``using``, on the
+    database backend's own database, else the only one open in this
+    thread. Several open, or none on ``using`` while another is, raises
+    :class:`~django_dlock.transactions.AmbiguousTransaction` on leaving.
 
     Use it as ``with lock(...) as held:``, ``async with``, as a decorator, or
     call :meth:`acquire` by hand. As a decorator, ``name`` may be a template
@@ -216,7 +219,9 @@ class Lock:
         """With ``release_on_commit`` inside ``atomic()``: leave the release to its end."""
         if not self.release_on_commit:
             return False
-        return release_at_transaction_end(held, self.using, body_raised=body_raised)
+        return release_at_transaction_end(
+            held, self.using, body_raised=body_raised, strict=self.using is not None
+        )
 
     def _acquire(self, timeout: float | None, name: str | None) -> HeldLock:
         name, timeout = self._resolve(timeout, name)

@@ -1,10 +1,22 @@
-"""Holding a lock until the transaction ends (``lock(..., release_on_commit=True)``)."""
+"""Holding a lock until the transaction ends (``lock(..., release_on_commit=True)``, views).
+
+Which transaction: the one the protected writes are in. For a lock on the
+database backend, that is its own database's when a transaction is open
+there; otherwise the database ``using`` names, or else the one database
+whose connection is inside ``atomic()`` in this thread. Several open and
+nothing to choose between them raises :class:`AmbiguousTransaction`, never a
+silent release before the commit. Guarded views hold their lock until every
+transaction open around them has ended (:func:`release_at_transactions_end`).
+"""
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from django.db.transaction import TransactionManagementError
 
 from .exceptions import LockLost
 from .handle import HeldLock
@@ -14,30 +26,60 @@ if TYPE_CHECKING:
     from .backends.base import BaseLockBackend
 
 
+class AmbiguousTransaction(TransactionManagementError):
+    """``release_on_commit`` cannot tell which open transaction the lock must outlive.
+
+    Raised where the lock would be released, naming the databases; the lock is
+    released then (the block is left with this error), and the transaction
+    rolls back unless the caller catches it.
+    """
+
+
+class _Countdown:
+    """Releases ``held`` once each of ``count`` transactions has committed or rolled back.
+
+    After a rollback the release runs off Django's connections (see
+    :class:`_ReleaseAtCommit`).
+    """
+
+    def __init__(self, held: HeldLock, count: int) -> None:
+        self.held = held
+        self.left = count
+        self.rolled_back = False
+        self._mutex = threading.Lock()
+
+    def ended(self, committed: bool) -> None:
+        with self._mutex:
+            self.left -= 1
+            self.rolled_back |= not committed
+            if self.left:
+                return
+        if self.rolled_back:
+            _off_django_connections(self.held.backend, self.held.release_quietly)
+        else:
+            self.held.release_quietly()
+
+
 class _ReleaseAtCommit:
-    """An ``on_commit`` callback that releases; freeing it uncalled (a rollback) releases too.
+    """An ``on_commit`` callback that counts a commit; freeing it uncalled counts a rollback.
 
     Django drops the callbacks of a transaction, or of a savepoint, that rolls
     back; CPython frees the dropped callback at once (reference counting),
-    and its finalizer releases the lock then. That happens inside Django's
+    and its finalizer counts the rollback then. That happens inside Django's
     rollback, before the connection is back in autocommit, so for a backend
     whose statements run on Django's connections (the database backend) the
-    finalizer hands the release to the backend's renewal thread, which uses
-    a connection of its own.
+    release is handed to the backend's renewal thread, which uses a
+    connection of its own.
     """
 
-    def __init__(self, held: HeldLock) -> None:
-        self.held = held
-        self._finalizer = weakref.finalize(self, _release_elsewhere, held)
+    def __init__(self, countdown: _Countdown) -> None:
+        self.countdown = countdown
+        self._finalizer = weakref.finalize(self, countdown.ended, False)
         self._finalizer.atexit = False
 
     def __call__(self) -> None:
         self._finalizer.detach()
-        self.held.release_quietly()
-
-
-def _release_elsewhere(held: HeldLock) -> None:
-    _off_django_connections(held.backend, held.release_quietly)
+        self.countdown.ended(True)
 
 
 def _off_django_connections(backend: BaseLockBackend, call: Callable[[], None]) -> None:
@@ -66,6 +108,109 @@ def _in_transaction(connection: Any) -> bool:
     )
 
 
+def open_transactions() -> list[str]:
+    """The database aliases whose connection in this thread is inside ``atomic()``.
+
+    Django's TestCase transactions alone do not count: they never commit.
+    """
+    from django.db import connections
+
+    return sorted(c.alias for c in connections.all(initialized_only=True) if _in_transaction(c))
+
+
+def committing_transactions() -> list[str]:
+    """:func:`open_transactions`, less those inside a TestCase's transaction, which never commits.
+
+    Guarded views hold their lock to the end of these: in a ``TestCase``
+    they release when the view returns, or the test's next request to the
+    view would find the lock still held.
+    """
+    from django.db import connections
+
+    return sorted(
+        c.alias
+        for c in connections.all(initialized_only=True)
+        if c.in_atomic_block and not getattr(c.atomic_blocks[0], "_from_testcase", False)
+    )
+
+
+def _lock_database(backend: BaseLockBackend) -> str | None:
+    """The DATABASES alias the database backend keeps its leases in; None for other backends."""
+    if not backend.uses_django_connections:
+        return None
+    database = getattr(backend, "database", None)
+    return database if isinstance(database, str) else None
+
+
+def transaction_to_outlive(
+    backend: BaseLockBackend, using: str | None = None, *, name: str | None = None
+) -> str | None:
+    """The alias whose open transaction a lock on ``backend`` must outlive; None: none is open.
+
+    ``using`` names the database the protected writes go to; when a
+    transaction is open elsewhere but not there, that is a mistake, and
+    :class:`AmbiguousTransaction` says so. Without ``using``: the lock
+    database's of the database backend, if one is open there, else the only
+    one open; several open raise :class:`AmbiguousTransaction`.
+    """
+    open_ = open_transactions()
+    what = f"release_on_commit of lock {name!r}" if name else "release_on_commit"
+    if using is not None:
+        if using in open_ or not open_:
+            return using if using in open_ else None
+        raise AmbiguousTransaction(
+            f"{what}: using={using!r}, but no transaction is open on {using!r}, while one is "
+            f"on {_names(open_)}. Pass the alias of the transaction to hold the lock to, "
+            f"using={open_[0]!r} say, or leave the transaction before releasing."
+        )
+    database = _lock_database(backend)
+    if database is not None and database in open_:
+        return database
+    if len(open_) > 1:
+        raise AmbiguousTransaction(
+            f"{what}: transactions are open on {_names(open_)}; pass using= to name the one "
+            "the lock must be held to the end of."
+        )
+    return open_[0] if open_ else None
+
+
+def _names(aliases: Sequence[str]) -> str:
+    return " and ".join(repr(a) for a in aliases)
+
+
+def _confirm(held: HeldLock) -> None:
+    """Raise ``LockLost`` (and release) if the lease was lost, as leaving a block would."""
+    try:
+        held.ensure()
+    except LockLost:
+        held.release_quietly()
+        raise
+
+
+def release_at_transactions_end(
+    held: HeldLock, aliases: Sequence[str], *, body_raised: bool = True
+) -> bool:
+    """Release ``held`` once the transactions open on all of ``aliases`` have ended.
+
+    The aliases not inside a transaction (TestCase's aside) are left out;
+    False, and nothing done, if that leaves none. Unless ``body_raised``,
+    the lease is confirmed first: ``LockLost`` if it was lost meanwhile, so
+    that the transactions, whose work was not protected to the end, can roll
+    back. Works for any handle: a mutex's lease or a semaphore's slot.
+    """
+    from django.db import transaction
+
+    open_ = [a for a in dict.fromkeys(aliases) if _in_transaction(transaction.get_connection(a))]
+    if not open_:
+        return False
+    if not body_raised:
+        _confirm(held)
+    countdown = _Countdown(held, len(open_))
+    for alias in open_:
+        transaction.on_commit(_ReleaseAtCommit(countdown), using=alias)
+    return True
+
+
 def on_rollback(backend: BaseLockBackend, callback: Callable[[], None], using: str) -> bool:
     """Call ``callback`` if the transaction open on ``using`` rolls back; False if none is open.
 
@@ -81,26 +226,37 @@ def on_rollback(backend: BaseLockBackend, callback: Callable[[], None], using: s
 
 
 def release_at_transaction_end(
-    held: HeldLock, using: str | None = None, *, body_raised: bool = True
+    held: HeldLock,
+    using: str | None = None,
+    *,
+    body_raised: bool = True,
+    strict: bool = False,
 ) -> bool:
-    """Release ``held`` when the transaction of ``using`` ends; False if none is open.
+    """Release ``held`` when the transaction it must outlive ends; False if none is open.
 
-    Unless ``body_raised``, the lease is confirmed first, as a release would:
+    With ``using``, the transaction open on that database, if any: the
+    writes went there, and outside a transaction they are committed already.
+    With ``strict`` (``lock(..., using=...)``), naming a database with no
+    transaction while another has one raises :class:`AmbiguousTransaction`.
+    Without ``using``, see :func:`transaction_to_outlive`. Unless
+    ``body_raised``, the lease is confirmed first, as a release would:
     ``LockLost`` if it was lost inside the block, so that the transaction,
-    whose work was not protected to the end, can roll back.
+    whose work was not protected to the end, can roll back. When the body
+    raised, an ambiguous case holds the lock to the end of every open
+    transaction rather than hide the body's error.
     """
-    from django.db import DEFAULT_DB_ALIAS, transaction
-
-    db = using or DEFAULT_DB_ALIAS
-    # Django's TestCase wraps each test in transactions that never commit:
-    # code with no atomic() of its own releases at once, as in production.
-    if not _in_transaction(transaction.get_connection(db)):
-        return False
-    if not body_raised:
+    if using is None or strict:
         try:
-            held.ensure()
-        except LockLost:
+            alias = transaction_to_outlive(held.backend, using, name=held.name)
+        except AmbiguousTransaction:
+            if body_raised:
+                # The body's error matters more than this one: hold the lock
+                # to the end of every open transaction instead.
+                return release_at_transactions_end(held, open_transactions())
             held.release_quietly()
             raise
-    transaction.on_commit(_ReleaseAtCommit(held), using=db)
-    return True
+    else:
+        alias = using
+    if alias is None:
+        return False
+    return release_at_transactions_end(held, [alias], body_raised=body_raised)

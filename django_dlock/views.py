@@ -7,8 +7,12 @@ request (or process) holds it, the view answers **423 Locked** (or the
 ``status`` given, such as 409). ``Retry-After`` is set to the holder's
 remaining lease, in whole seconds, at least 1. With ``timeout`` it waits up
 to that many seconds first. The lock is held while the view runs and
-released when it returns or raises. A streamed response's body is sent after
-the release.
+released when it returns or raises, or, when the view runs inside a
+transaction (``ATOMIC_REQUESTS``, or an ``atomic()`` around it), when every
+such transaction has committed or rolled back (``release_on_commit=False``:
+when the view returns). A streamed response's body is sent after the
+release. While the view runs, ``request.dlock`` (and :func:`current_lock`)
+is the :class:`~django_dlock.HeldLock`: its ``token`` fences the view's writes.
 
 With ``limit=N`` the lock is a semaphore: at most N requests run the view at
 once, and the next answers **429 Too Many Requests** (or ``status``), with
@@ -18,10 +22,12 @@ once, and the next answers **429 Too Many Requests** (or ``status``), with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction
@@ -29,10 +35,12 @@ from django.http import HttpRequest, HttpResponse
 
 from . import conf, holders, keys
 from .exceptions import LockTimeout
+from .handle import HeldLock
 from .handler import locks
 from .keys import KeyTemplate, templated
 from .lock import Lock
 from .semaphores import Semaphore
+from .transactions import committing_transactions, release_at_transactions_end
 
 V = TypeVar("V", bound=Callable[..., Any])
 
@@ -110,9 +118,13 @@ class _Guard:
         status: int | None,
         metadata: Mapping[str, Any] | None,
         limit: int | None = None,
+        release_on_commit: bool = True,
     ) -> None:
         if not isinstance(key, str) or not key:
             raise TypeError("The lock key must be a non-empty str template.")
+        if not isinstance(release_on_commit, bool):
+            raise TypeError(f"release_on_commit must be True or False, not {release_on_commit!r}.")
+        self.release_on_commit = release_on_commit
         self.key = key
         self.template = KeyTemplate(key)
         self.backend, self.limit = backend, limit
@@ -136,9 +148,25 @@ class _Guard:
         except LockTimeout:
             return locked_response(name, self.backend, self.status, limit=self.limit)
         try:
-            return call()
-        finally:
-            held.release_quietly()
+            with _lease_on(request, held):
+                result = call()
+        except BaseException:
+            self._release(held, body_raised=True)
+            raise
+        self._release(held, body_raised=False)
+        return result
+
+    def _release(self, held: HeldLock, *, body_raised: bool) -> None:
+        """Now, or when the transactions open around the view end (``ATOMIC_REQUESTS``).
+
+        The view returned: a lease lost meanwhile raises ``LockLost``, so that
+        they roll back, their work not having been protected to the end.
+        """
+        if self.release_on_commit and release_at_transactions_end(
+            held, committing_transactions(), body_raised=body_raised
+        ):
+            return
+        held.release_quietly()
 
     async def arun(
         self, request: HttpRequest, view_kwargs: Mapping[str, Any], call: Callable[[], Any]
@@ -153,9 +181,43 @@ class _Guard:
                 name, self.backend, self.status,
             )  # fmt: skip
         try:
-            return await call()
+            with _lease_on(request, held):
+                return await call()
         finally:
             await held.arelease_quietly()
+
+
+#: The leases of the guarded views running in this thread or task, innermost last.
+_running: ContextVar[tuple[HeldLock, ...]] = ContextVar("django_dlock_views", default=())
+
+
+def current_lock() -> HeldLock | None:
+    """The lease of the guarded view that runs here (innermost), else None.
+
+    The same as ``request.dlock`` in the view, for code the view calls
+    without its request: ``current_lock().token`` fences its writes.
+    """
+    running = _running.get()
+    return running[-1] if running else None
+
+
+@contextlib.contextmanager
+def _lease_on(request: HttpRequest, held: HeldLock) -> Iterator[None]:
+    """``request.dlock`` is ``held`` while the view runs (an outer guard's again after)."""
+    outer = request.__dict__.get("dlock", _NONE)
+    request.dlock = held  # type: ignore[attr-defined]
+    reset = _running.set((*_running.get(), held))
+    try:
+        yield
+    finally:
+        _running.reset(reset)
+        if outer is _NONE:
+            del request.dlock  # type: ignore[attr-defined]
+        else:
+            request.dlock = outer  # type: ignore[attr-defined]
+
+
+_NONE = object()
 
 
 def lock_view(
@@ -167,15 +229,19 @@ def lock_view(
     status: int | None = None,
     metadata: Mapping[str, Any] | None = None,
     limit: int | None = None,
+    release_on_commit: bool = True,
 ) -> Callable[[V], V]:
     """Guard a function-based view, sync or async, with the lock ``key`` names.
 
     ``status``: the answer when it is held (default 423; with ``limit``, 429).
     ``limit``: let that many requests in at once (a semaphore) instead of one.
+    ``release_on_commit``: inside a transaction (``ATOMIC_REQUESTS``), hold
+    the lock, or the slot, until it commits or rolls back; False: release
+    when the view returns, before the commit.
     """
     guard = _Guard(
         key, timeout=timeout, ttl=ttl, backend=backend, status=status, metadata=metadata,
-        limit=limit,
+        limit=limit, release_on_commit=release_on_commit,
     )  # fmt: skip
 
     def decorator(view: V) -> V:
@@ -202,8 +268,10 @@ class LockRequiredMixin:
     Set ``lock_key`` (a template over ``self.kwargs``, ``user`` and
     ``user_pk``), and optionally ``lock_timeout`` (0), ``lock_ttl``,
     ``lock_backend`` ("default"), ``lock_status`` (423; 429 with a limit),
-    ``lock_metadata`` and ``lock_limit`` (None: one request at a time).
-    Works for async views (every handler ``async def``) too.
+    ``lock_metadata``, ``lock_limit`` (None: one request at a time) and
+    ``lock_release_on_commit`` (True: under ``ATOMIC_REQUESTS``, held until
+    the commit). Works for async views (every handler ``async def``) too.
+    The handler finds the lease in ``self.request.dlock``.
     """
 
     lock_key: str = ""
@@ -213,6 +281,7 @@ class LockRequiredMixin:
     lock_status: int | None = None
     lock_metadata: Mapping[str, Any] | None = None
     lock_limit: int | None = None
+    lock_release_on_commit: bool = True
 
     def get_lock_guard(self) -> _Guard:
         return _Guard(
@@ -223,6 +292,7 @@ class LockRequiredMixin:
             status=self.lock_status,
             metadata=self.lock_metadata,
             limit=self.lock_limit,
+            release_on_commit=self.lock_release_on_commit,
         )
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
