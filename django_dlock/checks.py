@@ -15,19 +15,26 @@ Ids are stable and never reused (docs/checks.md lists them):
   broker's ``visibility_timeout`` (registered by ``celery.py``).
 - ``django_dlock.W003``: a list ``LOCATION`` on ``RedisBackend`` means
   Redlock; use ``RedlockBackend``.
+- ``django_dlock.W004``: a ``LockedSaveMixin`` model (or an inline of one) is
+  in an admin whose ``ModelAdmin`` is not a ``LockedModelAdminMixin``: a held
+  lock is a 500 there.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
+from importlib import import_module
 from typing import Any
 
-from django.apps import AppConfig
+from django.apps import AppConfig, apps
+from django.conf import settings
 from django.core import checks
 
 from . import conf
 from .exceptions import LockConfigurationError
 from .handler import backend_class, validate_backends_setting
+from .saves import LockedSaveMixin
 
 
 @checks.register()
@@ -47,3 +54,53 @@ def check_backends(
             yield checks.Error(str(e), obj=f"DLOCK_BACKENDS[{alias!r}]", id=e.check_id)
             continue
         yield from backend.check()
+
+
+@checks.register(checks.Tags.admin)
+def check_locked_models_admin(
+    app_configs: Iterable[AppConfig] | None = None, **kwargs: Any
+) -> Iterator[checks.CheckMessage]:
+    """django_dlock.W004: a ``LockedSaveMixin`` model whose admin lets ``LockTimeout`` out.
+
+    A plain ``ModelAdmin`` saves (or deletes) the instance, its lock is held
+    past ``lock_timeout``, and the ``LockTimeout`` becomes a server error.
+    The same holds for a ``ModelAdmin`` whose inlines save such a model.
+    """
+    if not apps.is_installed("django.contrib.admin"):
+        return
+    from django.contrib.admin.sites import all_sites
+
+    from .admin import LockedModelAdminMixin
+
+    # Admin sites defined in the URLconf exist only once it is imported;
+    # Django's URL check (run in any order with this one) reports a URLconf
+    # that cannot be.
+    with contextlib.suppress(Exception):
+        import_module(settings.ROOT_URLCONF)
+    labels = None if app_configs is None else {config.label for config in app_configs}
+    for site in list(all_sites):
+        for model, model_admin in list(site._registry.items()):
+            if isinstance(model_admin, LockedModelAdminMixin):
+                continue
+            locked = [
+                m
+                for m in (model, *(inline.model for inline in model_admin.inlines))
+                if issubclass(m, LockedSaveMixin)
+                and (labels is None or m._meta.app_label in labels)
+            ]
+            for found in locked:
+                how = "" if found is model else f" as an inline of {model._meta.label}"
+                yield checks.Warning(
+                    f"{found._meta.label} is a LockedSaveMixin model in admin site "
+                    f"{site.name!r}{how} with {type(model_admin).__name__}, which is not a "
+                    "LockedModelAdminMixin: a save or delete there that finds the "
+                    "instance's lock held is a server error (LockTimeout).",
+                    hint=(
+                        "Register it with django_dlock.admin.LockedModelAdmin, or add "
+                        "django_dlock.admin.LockedModelAdminMixin to the bases of "
+                        f"{type(model_admin).__name__}: a held lock is then refused with a "
+                        "message."
+                    ),
+                    obj=type(model_admin),
+                    id="django_dlock.W004",
+                )
