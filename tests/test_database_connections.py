@@ -9,7 +9,7 @@ import pytest
 from django.conf import settings
 from django.db import connections, transaction
 
-from django_dlock import LockInTransaction, lock, locks, semaphore
+from django_dlock import LockInTransaction, lock, locks, rwlock, semaphore
 from django_dlock.backends.database import DatabaseBackend
 from tests.models import Counter
 
@@ -125,6 +125,7 @@ def test_sqlite_a_slot_inside_atomic_after_a_read_is_refused_at_once(name: str) 
     for make in (
         lambda: semaphore(name, limit=2, backend="db-sqlite", timeout=0),
         lambda: semaphore(name, limit=2, backend="db-sqlite", timeout=30),
+        lambda: rwlock(name, backend="db-sqlite", timeout=30).write(),
     ):
         with transaction.atomic():
             Counter.objects.count()  # a read: SQLite's shared lock until the end

@@ -314,14 +314,14 @@ class _AtTransactionEnd:
 def _ended(ref: weakref.ref[BaseDatabaseWrapper], callback: Callable[[], None]) -> None:
     connection = ref()
     if connection is not None and connection.in_atomic_block and connection.connection is not None:
-        connection.on_commit(_AtTransactionEnd(connection, callback))
+        connection.on_commit(_AtTransactionEnd(connection, callback), robust=True)
     else:
         callback()
 
 
 def at_transaction_end(connection: BaseDatabaseWrapper, callback: Callable[[], None]) -> None:
     """``callback()`` when the transaction open on ``connection`` commits or rolls back."""
-    connection.on_commit(_AtTransactionEnd(connection, callback))
+    connection.on_commit(_AtTransactionEnd(connection, callback), robust=True)
 
 
 class DatabaseBackend(DatabaseSlots, BaseLockBackend):
