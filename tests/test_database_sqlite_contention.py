@@ -86,3 +86,43 @@ def test_sqlite_waiters_never_fail_the_holders_transaction(
     assert errors == []
     assert [str(e) for e in failures] == []
     assert Counter.objects.get(pk=counter.pk).value == 60
+
+
+@pytest.mark.backends("db-postgresql", "db-mysql")
+@pytest.mark.with_default_db
+@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+def test_on_servers_waiters_never_fail_the_holders_transaction(
+    backend_alias: str, kind: str, name: str
+) -> None:
+    """The same on PostgreSQL and MariaDB, which lock rows, not the database: 60 of 60."""
+    from django.conf import settings
+
+    db = settings.CONFORMANCE_BACKENDS[backend_alias]
+    make = {
+        "mutex": lambda: lock(name, backend=backend_alias, timeout=60),
+        "semaphore": lambda: semaphore(name, limit=1, backend=backend_alias, timeout=60),
+    }[kind]
+    counter = Counter.objects.using(db).create(value=0)
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def work() -> None:
+        try:
+            start.wait()
+            for _ in range(15):
+                with make(), transaction.atomic(using=db):
+                    row = Counter.objects.using(db).get(pk=counter.pk)
+                    row.value += 1
+                    row.save(using=db)
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    assert Counter.objects.using(db).get(pk=counter.pk).value == 60
