@@ -346,6 +346,10 @@ class Renewer:
 
     def _run(self) -> None:
         while True:
+            if not self._work and not self._queue:
+                # No database connection is kept between rounds: one left open
+                # on a test database stops `manage.py test` from dropping it.
+                _close_thread_connections()
             with self._cond:
                 while not self._work and not self._queue and not self._missed:
                     if not self._cond.wait(self.IDLE) and not self._work and not self._queue:

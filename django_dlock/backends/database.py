@@ -14,7 +14,11 @@ Which connection runs the statements:
 - Inside ``atomic()`` on PostgreSQL or MySQL: a private connection of the
   backend's, in autocommit. A lease must be visible to other processes when
   ``acquire()`` returns, not when the caller's transaction commits, and a
-  rollback of the caller's work must not undo a release.
+  rollback of the caller's work must not undo a release. It is the
+  thread's, opened when first needed in a transaction and closed when that
+  transaction commits or rolls back: under ``ATOMIC_REQUESTS`` it ends with
+  the request's transaction, in a ``TestCase`` with the test's, so nothing
+  is left on a test database that ``manage.py test`` must drop.
 - Inside ``atomic()`` on SQLite: the caller's connection, joining its
   transaction. SQLite has one writer at a time, and a second connection
   would wait for the caller's own transaction. Until that transaction ends,
@@ -36,15 +40,25 @@ Which connection runs the statements:
   - Uncontended, it just works: a lock in ``ATOMIC_REQUESTS`` views, in the
     admin's save of a ``LockedSaveMixin`` model, in Django's ``TestCase``.
 
+Outside a transaction on SQLite an attempt reads before it writes, in one
+deferred transaction: t0 the holder's ``atomic()`` reads (SQLite's shared
+lock), t1 a waiter's acquire statement, a write, takes the write lock, t2 the
+holder's first write cannot take it and fails at once with "database is
+locked" (SQLite does not wait in that case). A waiter that finds a live lease
+therefore writes nothing, and no acquisition can commit between its read and
+its write.
+
 Waiting backs off exponentially with jitter (2 ms doubling to 100 ms).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -279,6 +293,37 @@ def _extend_rows(
     return {(digest, owner) for digest, owner in cursor.fetchall()}
 
 
+class _AtTransactionEnd:
+    """An ``on_commit`` callback that calls back at the commit, or when Django drops it uncalled.
+
+    Django drops the callbacks of a transaction that rolls back (or of a
+    connection it closes); CPython frees the dropped callback at once, and
+    its finalizer calls back then, inside Django's rollback: the callback
+    must run no statement on that connection. Dropped with a savepoint that
+    rolled back, it moves to the transaction around it.
+    """
+
+    def __init__(self, connection: BaseDatabaseWrapper, callback: Callable[[], None]) -> None:
+        self._finalizer = weakref.finalize(self, _ended, weakref.ref(connection), callback)
+        self._finalizer.atexit = False
+
+    def __call__(self) -> None:
+        self._finalizer()
+
+
+def _ended(ref: weakref.ref[BaseDatabaseWrapper], callback: Callable[[], None]) -> None:
+    connection = ref()
+    if connection is not None and connection.in_atomic_block and connection.connection is not None:
+        connection.on_commit(_AtTransactionEnd(connection, callback), robust=True)
+    else:
+        callback()
+
+
+def at_transaction_end(connection: BaseDatabaseWrapper, callback: Callable[[], None]) -> None:
+    """``callback()`` when the transaction open on ``connection`` commits or rolls back."""
+    connection.on_commit(_AtTransactionEnd(connection, callback), robust=True)
+
+
 class DatabaseBackend(DatabaseSlots, BaseLockBackend):
     """Leases in the ``django_dlock_lease`` table of a Django database.
 
@@ -344,8 +389,7 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
     def close(self) -> None:
         private = getattr(self._local, "connection", None)
         if private is not None:
-            private.close()
-            self._local.connection = None
+            self._close_private(private)
 
     # --- plumbing -------------------------------------------------------------------
 
@@ -362,16 +406,40 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         connection = connections[self.database]
         if connection.vendor == "sqlite" or not connection.in_atomic_block:
             return connection
+        return self._private()
+
+    def _private(self) -> BaseDatabaseWrapper:
+        """This thread's private connection, for use inside ``atomic()`` on ``self.database``.
+
+        It lives as long as the transaction that needed it: it is closed when
+        that transaction commits or rolls back (an ``ATOMIC_REQUESTS``
+        request's, a ``TestCase`` test's), so it never outlives the
+        connections Django closes, and needs no ``CONN_MAX_AGE`` of its own.
+        """
         private = getattr(self._local, "connection", None)
         if private is None:
             private = self._local.connection = connections.create_connection(self.database)
+            at_transaction_end(
+                connections[self.database], functools.partial(self._close_private, private)
+            )
         return private
+
+    def _close_private(self, private: BaseDatabaseWrapper) -> None:
+        if getattr(self._local, "connection", None) is private:
+            self._local.connection = None
+        if getattr(private, "_thread_ident", None) != threading.get_ident():  # freed late
+            private.inc_thread_sharing()
+        with contextlib.suppress(DatabaseError):  # a broken connection is closed all the same
+            private.close()
 
     def _bind(self, owner: str, connection: BaseDatabaseWrapper) -> None:
         # The watchdog thread will use this connection; Django refuses
         # cross-thread use unless sharing is switched on (as LiveServerThread does).
         connection.inc_thread_sharing()
         self._bound[owner] = connection
+        # Bound until the transaction ends (a lease handed over as a ticket is
+        # never released here, and must not stay in the map for ever).
+        at_transaction_end(connection, functools.partial(self._unbind, owner))
 
     def _unbind(self, owner: str) -> None:
         bound = self._bound.pop(owner, None)
@@ -477,22 +545,51 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
     ) -> int | None:
         digest, ttl_us = self._key(name), micros(ttl)
 
+        def free_then_take(sql: _Statements, cursor: Any) -> int | None:
+            cursor.execute(sql.get, [digest])
+            if cursor.fetchone() is not None:
+                return None
+            cursor.execute(sql.acquire, [digest, self.key_prefix, name, owner, ttl_us, holder])
+            row = cursor.fetchone()
+            return None if row is None else int(row[0])
+
+        def sqlite(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> int | None:
+            if connection.in_atomic_block:  # joined: see the module docstring
+                token = free_then_take(sql, cursor)
+                if token is None:
+                    raise self._in_transaction(
+                        name,
+                        "is held by someone else, and a transaction on SQLite cannot wait "
+                        "for it: the holder's release could wait for this transaction",
+                    )
+                self._bind(owner, connection)
+                return token
+            # The acquire statement is a write: t0 the holder's transaction
+            # reads (SQLite's shared lock), t1 a waiter's statement takes the
+            # write lock, t2 the holder's first write cannot take it and fails
+            # with "database is locked" (SQLite does not wait there). So a
+            # waiter reads first, and writes only if the name is free, in one
+            # transaction: no other acquisition can commit between its read
+            # and its write.
+            if not connection.get_autocommit():  # a transaction managed by hand
+                return free_then_take(sql, cursor)
+            cursor.execute("BEGIN")
+            try:
+                token = free_then_take(sql, cursor)
+                cursor.execute("COMMIT")
+            except BaseException:
+                if connection.connection.in_transaction:
+                    cursor.execute("ROLLBACK")
+                raise
+            return token
+
         def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> int | None:
+            if connection.vendor == "sqlite":
+                return sqlite(connection, sql, cursor)
             if sql.acquire_insert is None:
                 cursor.execute(sql.acquire, [digest, self.key_prefix, name, owner, ttl_us, holder])
                 row = cursor.fetchone()
-                joined = connection.vendor == "sqlite" and connection.in_atomic_block
-                if row is None:
-                    if joined:
-                        raise self._in_transaction(
-                            name,
-                            "is held by someone else, and this transaction now holds SQLite's "
-                            "write lock, so the holder could not release it while we waited",
-                        )
-                    return None
-                if joined:
-                    self._bind(owner, connection)
-                return int(row[0])
+                return None if row is None else int(row[0])
             cursor.execute(sql.acquire, [owner, ttl_us, holder, digest])
             if cursor.rowcount == 1:
                 return int(cursor.lastrowid)

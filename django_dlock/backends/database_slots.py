@@ -17,25 +17,30 @@ caller's rollback never undoes a grant nor repeats a token):
 2. delete the name's rows whose leases ended by the server's clock;
 3. read the rest, and grant or record a waiter as ``base.py`` says.
 
+Inside the caller's ``atomic()`` on SQLite, the private connection cannot
+commit once the caller's transaction has read or written (SQLite lets no
+other connection commit while it holds its shared lock): such an acquisition
+is refused at once with ``LockInTransaction``, as the mutex's is.
+
 Waiting backs off (2 ms doubling to 100 ms); waiters are not FIFO.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from .._validation import load_holder, micros_to_datetime
 from ..exceptions import LockInTransaction
 from .base import BaseLockBackend, LockInfo, ParkedTask, SlotEntry
-from .sql import BINARY, SERVER_CLOCK, micros
+from .sql import BINARY, SERVER_CLOCK, Busy, micros
 
 T = TypeVar("T")
 
@@ -128,10 +133,17 @@ class DatabaseSlots(BaseLockBackend):
 
     if TYPE_CHECKING:
         database: str
-        _local: threading.local
 
         def _key(self, name: str) -> str: ...
         def _connection(self, owner: str | None = None) -> BaseDatabaseWrapper: ...
+        def _private(self) -> BaseDatabaseWrapper: ...
+        def _run(
+            self,
+            name: str,
+            fn: Callable[[BaseDatabaseWrapper, Any, Any], T],
+            owner: str | None = None,
+            connection: BaseDatabaseWrapper | None = None,
+        ) -> T: ...
         def _retry_busy(
             self,
             name: str,
@@ -152,9 +164,7 @@ class DatabaseSlots(BaseLockBackend):
         connection = connections[self.database]
         if connection.vendor != "sqlite" or not connection.in_atomic_block:
             return self._connection()
-        private = getattr(self._local, "connection", None)
-        if private is None:
-            private = self._local.connection = connections.create_connection(self.database)
+        private = self._private()
         if private.connection is None:
             private.ensure_connection()
             # The caller's transaction may hold SQLite's write lock, which no
@@ -179,25 +189,32 @@ class DatabaseSlots(BaseLockBackend):
             cursor.execute(sql.begin)
             try:
                 result = fn(sql, cursor)
+                cursor.execute("COMMIT")
             except BaseException:
-                cursor.execute("ROLLBACK")
+                # A COMMIT that failed leaves the transaction open: the next
+                # BEGIN would fail with "cannot start a transaction within a
+                # transaction".
+                with contextlib.suppress(DatabaseError):
+                    cursor.execute("ROLLBACK")
                 raise
-            cursor.execute("COMMIT")
             return result
 
-        try:
+        if connection.vendor != "sqlite" or connection is connections[self.database]:
             return self._retry_busy(name, run, connection=connection)
-        except Exception as e:
-            private = connection is not connections[self.database]
-            if private and connection.vendor == "sqlite" and "stayed busy" in str(e):
-                raise LockInTransaction(
-                    f"Semaphore {name!r} on backend {self.alias!r} cannot be written: "
-                    "this transaction (or another) holds SQLite's write lock. Take it "
-                    "before entering transaction.atomic().",
-                    name=name,
-                    backend=self.alias,
-                ) from e
-            raise
+        # SQLite inside the caller's atomic(): once that transaction has read
+        # (a shared lock) or written, this connection cannot commit until it
+        # ends, and no retry can outlast it. Refuse at once, as the mutex does.
+        try:
+            return self._run(name, run, connection=connection)
+        except Busy as e:
+            raise LockInTransaction(
+                f"Semaphore {name!r} on backend {self.alias!r} cannot be written: this "
+                "transaction has read or written the database, and SQLite lets no other "
+                "connection commit until it ends. Take it before entering "
+                "transaction.atomic().",
+                name=name,
+                backend=self.alias,
+            ) from e.__cause__
 
     def do_acquire_slot(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool, limit: int, weight: int
