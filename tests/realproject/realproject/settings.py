@@ -5,6 +5,11 @@
 - ``REALPROJ_ATOMIC_REQUESTS``: "1" (default) or "0", for both databases.
 - ``REALPROJ_LOCK_BACKEND``: "db" (the database backend; default) or "redis"
   (``REALPROJ_REDIS_URL``).
+- ``REALPROJ_CONN_MAX_AGE``: 60 by default; the load script serves the views
+  (uvicorn) with 0, as Django's docs say to under ASGI ("When using ASGI,
+  persistent connections should be disabled": each request runs in a thread
+  of its own, whose connection nothing reuses), and runs the Celery worker
+  with 60.
 - ``REALPROJ_APP_NAME``: PostgreSQL's application_name for this process's
   connections, so the load script can count them by role.
 - ``CELERY_BROKER_URL`` (RabbitMQ on 127.0.0.1 by default) and ``REALPROJ_QUEUE``.
