@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The realistic project's manage.py (see tests/realproject/README.md)."""
+"""The realistic project's manage.py (docs/development.md, "The realistic project")."""
 
 import os
 import sys
