@@ -356,6 +356,7 @@ def run_cell(
     requests: int,
     concurrency: int,
     logdir: Path,
+    paths: list[str],
 ) -> CellResult:
     cell = CellResult(atomic, backend)
     tag = f"{atomic}-{backend}"
@@ -402,8 +403,13 @@ def run_cell(
         # Warm-up: one request down each path, one at a time, which creates
         # the rows; then the connections every process keeps are open.
         results: dict[str, PathResult] = {}
-        deleted_names = [f"{DELETE}-{tag}-{i}" for i in range(max(1, requests // 2))]
-        for p in PATHS:
+        selected = [p for p in PATHS if p.name in paths]
+        deleted_names = (
+            [f"{DELETE}-{tag}-{i}" for i in range(max(1, requests // 2))]
+            if DELETE in paths
+            else []
+        )
+        for p in selected:
             result = results[p.name] = PathResult(p.name, p.what)
             name = f"{p.name}-{tag}"
             if p.name == "save-book":
@@ -414,22 +420,23 @@ def run_cell(
             result.expected = result.ok
             if answer[0] != 200:
                 result.notes.append(f"the warm-up request answered {answer[0]}")
+        results[DELETE] = PathResult(DELETE, "delete under the lock")
         for name in deleted_names:
-            count_answers(results.setdefault(DELETE, PathResult(DELETE, "delete under the lock")),
-                          [post(port, f"/books/{name}/stock/")])  # fmt: skip
+            count_answers(results[DELETE], [post(port, f"/books/{name}/stock/")])
         results[DELETE].ok = 0
-        task = next(p for p in PATHS if p.name == "celery-task")
-        wait_until(
-            lambda: (
-                (value(databases, "default", task.final, f"celery-task-{tag}") or 0)
-                >= results["celery-task"].expected
-            ),
-            deadline=60,
-        )
+        for task in selected:
+            if task.name == "celery-task":
+                wait_until(
+                    lambda task=task: (
+                        (value(databases, "default", task.final, f"celery-task-{tag}") or 0)
+                        >= results["celery-task"].expected
+                    ),
+                    deadline=60,
+                )
         roles = [web_role, worker_role]
         cell.connections_before = settled_idle(databases, roles)
 
-        for p in PATHS:
+        for p in selected:
             result = results[p.name]
             name = f"{p.name}-{tag}"
             answers = concurrently(port, [p.url.format(name=name)] * requests, concurrency)
@@ -451,36 +458,37 @@ def run_cell(
             cell.paths.append(result)
 
         # Deletes: two requests per book at once; each book deleted exactly once.
-        result = results[DELETE]
-        answers = concurrently(
-            port,
-            [f"/books/{name}/discard/" for name in deleted_names for _ in range(2)],
-            concurrency,
-        )
-        for status, body in answers:
-            result.requests += 1
-            if status == 200:
-                result.ok += json.loads(body).get("deleted", 0)
-            elif status in (404, 409):
-                pass  # found gone, or refused by the fence: both keep the promise
-            elif status >= 500:
-                result.server_errors += 1
-            elif status in (423, 429):
-                result.refused += 1
-            else:
-                result.other += 1
-        result.expected = len(deleted_names)
-        with admin_connect(databases["default"]) as conn:
-            left = conn.execute(
-                "SELECT count(*) FROM inventory_item WHERE name LIKE %s", [f"{DELETE}-{tag}-%"]
-            ).fetchone()
-        result.final = result.expected - int(left[0]) if left else None
-        if result.ok != result.expected:
-            result.notes.append(
-                f"{result.ok} deletions answered for {result.expected} books deleted once each"
+        if deleted_names:
+            result = results[DELETE]
+            answers = concurrently(
+                port,
+                [f"/books/{name}/discard/" for name in deleted_names for _ in range(2)],
+                concurrency,
             )
-        result.lost = result.expected - (result.final or 0)
-        cell.paths.append(result)
+            for status, body in answers:
+                result.requests += 1
+                if status == 200:
+                    result.ok += json.loads(body).get("deleted", 0)
+                elif status in (404, 409):
+                    pass  # found gone, or refused by the fence: both keep the promise
+                elif status >= 500:
+                    result.server_errors += 1
+                elif status in (423, 429):
+                    result.refused += 1
+                else:
+                    result.other += 1
+            result.expected = len(deleted_names)
+            with admin_connect(databases["default"]) as conn:
+                left = conn.execute(
+                    "SELECT count(*) FROM inventory_item WHERE name LIKE %s", [f"{DELETE}-{tag}-%"]
+                ).fetchone()
+            result.final = result.expected - int(left[0]) if left else None
+            if result.ok != result.expected:
+                result.notes.append(
+                    f"{result.ok} deletions answered for {result.expected} books deleted once each"
+                )
+            result.lost = result.expected - (result.final or 0)
+            cell.paths.append(result)
 
         cell.connections_after = settled_idle(databases, roles)
         # The web server keeps none between requests (CONN_MAX_AGE=0); each
@@ -587,6 +595,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--backends", default="db,redis")
     parser.add_argument("--atomic", default="on,off")
+    parser.add_argument(
+        "--paths",
+        default=",".join([*(p.name for p in PATHS), DELETE]),
+        help="comma-separated, of: %(default)s",
+    )
     parser.add_argument("--project-tests", choices=("run", "skip", "only"), default="run")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
@@ -616,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
                         started = time.monotonic()
                         cell = run_cell(
                             atomic, backend, databases, redis.url if redis else None,
-                            args.requests, args.concurrency, logdir,
+                            args.requests, args.concurrency, logdir, args.paths.split(","),
                         )  # fmt: skip
                         print(
                             f"{cell.label}: {time.monotonic() - started:.1f} s,"
