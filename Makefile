@@ -12,7 +12,7 @@ DEMO_VENV ?= .venv-demo
 DEMO_BIN := $(DEMO_VENV)/bin
 DEMO_STAMP := $(DEMO_VENV)/.installed
 
-.PHONY: demo fresh-check test model-long chaos lint typecheck packaging docs system-deps screenshots clean
+.PHONY: demo fresh-check test realproject model-long chaos lint typecheck packaging docs system-deps screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,13 @@ system-deps:
 
 test: system-deps $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The realistic project (tests/realproject/): its own `manage.py test` on
+# PostgreSQL, then concurrent increments down every guarded path under uvicorn
+# and a Celery worker on RabbitMQ, ATOMIC_REQUESTS on and off x the database and
+# Redis lock backends; a table of lost updates, connections left open and 5xx.
+realproject: system-deps $(STAMP)
+	$(BIN)/python tests/realproject/load.py $(REALPROJECT_ARGS)
 
 # The model-based tests (tests/test_model.py) with Hypothesis's "long" profile:
 # examples without end, one backend after the other; narrow it with
