@@ -101,37 +101,37 @@ class _OnRollback:
         self._finalizer.detach()
 
 
-def _in_transaction(connection: Any) -> bool:
+def _in_atomic(connection: Any) -> bool:
     """Inside ``atomic()``, other than the ones Django's TestCase opens and never commits."""
     return connection.in_atomic_block and not all(
         getattr(block, "_from_testcase", False) for block in connection.atomic_blocks
     )
 
 
-def open_transactions() -> list[str]:
-    """The database aliases whose connection in this thread is inside ``atomic()``.
+def _in_transaction(connection: Any) -> bool:
+    """Inside a transaction that will commit: ``atomic()`` not nested in a TestCase's.
 
-    Django's TestCase transactions alone do not count: they never commit.
+    Django's ``TestCase`` wraps each test in a transaction that never commits,
+    so an ``atomic()`` inside it is a savepoint whose ``on_commit`` callbacks
+    never run. A lock held to that commit would be held to the end of the
+    test, and the test's second request to the same view, or second call of
+    the same code, would find it held. There, as with no transaction, the
+    lock is released when its block is left.
+    """
+    return connection.in_atomic_block and not getattr(
+        connection.atomic_blocks[0], "_from_testcase", False
+    )
+
+
+def open_transactions() -> list[str]:
+    """The database aliases whose connection in this thread is inside a transaction that commits.
+
+    Django's TestCase transactions, and ``atomic()`` blocks inside them, do
+    not count: they never commit (see :func:`_in_transaction`).
     """
     from django.db import connections
 
     return sorted(c.alias for c in connections.all(initialized_only=True) if _in_transaction(c))
-
-
-def committing_transactions() -> list[str]:
-    """:func:`open_transactions`, less those inside a TestCase's transaction, which never commits.
-
-    Guarded views hold their lock to the end of these: in a ``TestCase``
-    they release when the view returns, or the test's next request to the
-    view would find the lock still held.
-    """
-    from django.db import connections
-
-    return sorted(
-        c.alias
-        for c in connections.all(initialized_only=True)
-        if c.in_atomic_block and not getattr(c.atomic_blocks[0], "_from_testcase", False)
-    )
 
 
 def _lock_database(backend: BaseLockBackend) -> str | None:
@@ -219,7 +219,7 @@ def on_rollback(backend: BaseLockBackend, callback: Callable[[], None], using: s
     """
     from django.db import transaction
 
-    if not _in_transaction(transaction.get_connection(using)):
+    if not _in_atomic(transaction.get_connection(using)):
         return False
     transaction.on_commit(_OnRollback(backend, callback), using=using)
     return True

@@ -40,7 +40,7 @@ from .handler import locks
 from .keys import KeyTemplate, templated
 from .lock import Lock
 from .semaphores import Semaphore
-from .transactions import committing_transactions, release_at_transactions_end
+from .transactions import open_transactions, release_at_transactions_end
 
 V = TypeVar("V", bound=Callable[..., Any])
 
@@ -163,7 +163,7 @@ class _Guard:
         they roll back, their work not having been protected to the end.
         """
         if self.release_on_commit and release_at_transactions_end(
-            held, committing_transactions(), body_raised=body_raised
+            held, open_transactions(), body_raised=body_raised
         ):
             return
         held.release_quietly()

@@ -306,6 +306,26 @@ def test_release_on_commit_in_a_test_case_releases_at_once(name: str) -> None:
     assert work() < work()  # the second call finds the lock free
 
 
+@pytest.mark.django_db  # inside Django TestCase's transactions, which never commit
+def test_release_on_commit_in_an_atomic_inside_a_test_case_releases_with_the_block(
+    name: str,
+) -> None:
+    """Issue 27: an ``atomic()`` inside a TestCase is a savepoint that never commits.
+
+    The realistic project's TestCase called a view doing ``with atomic(using=
+    "ledger"): with lock(..., release_on_commit=True)`` twice; the second call
+    waited for a commit that never comes and raised LockTimeout.
+    """
+
+    def work() -> int:
+        with transaction.atomic():
+            with lock(name, backend="locmem", release_on_commit=True, timeout=0) as held:
+                Counter.objects.create(value=1)
+                return held.token
+
+    assert work() < work()  # the second call finds the lock free
+
+
 # --- semaphores ------------------------------------------------------------------------
 
 
