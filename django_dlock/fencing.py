@@ -61,6 +61,11 @@ class FencedModel(models.Model):
     newer holder's); ``save(fencing_token=t, force_insert=True)`` re-creates
     it on purpose. A save without a token works as usual and leaves
     ``fence`` as it is.
+
+    ``delete(fencing_token=t)`` deletes the row, and what it cascades to,
+    only if its ``fence`` is not newer than the token; otherwise it raises
+    ``StaleWrite`` and deletes nothing. With multi-table inheritance the
+    fence is the column of whichever table has it, parent or child.
     """
 
     fence = FenceField()
@@ -69,6 +74,7 @@ class FencedModel(models.Model):
         abstract = True
 
     _fencing_token: int | None = None
+    _fencing_reinsert: bool = False
 
     def save(self, *args: Any, fencing_token: int | None = None, **kwargs: Any) -> None:
         if fencing_token is None:
@@ -77,6 +83,7 @@ class FencedModel(models.Model):
         token = _token(fencing_token)
         previous = self.fence
         self._fencing_token = token
+        self._fencing_reinsert = bool(kwargs.get("force_insert"))
         self.fence = token
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
         try:
@@ -92,6 +99,41 @@ class FencedModel(models.Model):
             raise
         finally:
             self._fencing_token = None
+            self._fencing_reinsert = False
+
+    def delete(self, *args: Any, fencing_token: int | None = None, **kwargs: Any) -> Any:
+        """``Model.delete()``; with ``fencing_token``, refused if a newer token wrote the row.
+
+        The fence is checked before Django collects what the delete cascades
+        to, in the transaction that deletes it all: a refusal raises
+        ``StaleWrite`` and deletes nothing. A row already gone is deleted
+        again as Django would (nothing of it is left to fence).
+        """
+        if fencing_token is None or self.pk is None:
+            return super().delete(*args, **kwargs)
+        token = _token(fencing_token)
+        using = (args[0] if args else kwargs.get("using")) or router.db_for_write(
+            type(self), instance=self
+        )
+        # A savepoint inside atomic(): a refusal leaves the transaction usable.
+        with transaction.atomic(using=using):
+            self._fence_for_delete(using, token)
+            return super().delete(*args, **kwargs)
+
+    def _fence_for_delete(self, using: str, token: int) -> None:
+        row = _fence_table(type(self))._base_manager.using(using).filter(pk=self.pk)
+        # UPDATE ... SET fence = token WHERE pk = %s AND fence <= token: the
+        # check and a write lock on the row (on SQLite, on the database) in
+        # one statement, held until the delete commits, so no newer holder
+        # writes the row between this check and the DELETE.
+        if row.filter(fence__lte=token).update(fence=token):
+            return
+        current = row.values_list("fence", flat=True).first()
+        if current is not None:
+            raise StaleWrite(
+                f"{self._meta.label} {self.pk!r} was written with fencing token "
+                f"{current}, newer than {token}: this delete is refused.",
+            )
 
     def _do_update(  # type: ignore[override]
         self,
@@ -113,9 +155,14 @@ class FencedModel(models.Model):
         # updated. tests/test_fencing.py pins the signature on each version.
         token = self._fencing_token
         rest = (update_fields, forced_update, *args)
-        if token is None:
-            return super()._do_update(base_qs, using, pk_val, values, *rest, **kwargs)
         field = self._meta.get_field("fence")
+        if token is None or base_qs.model._meta.concrete_model is not _fence_table(type(self)):
+            # Unfenced, or the UPDATE of another table of a multi-table
+            # inheritance chain (Django saves each parent's table, then the
+            # child's): only the table with the fence column is fenced. The
+            # chain's saves run in one transaction, so a refusal there rolls
+            # back the others.
+            return super()._do_update(base_qs, using, pk_val, values, *rest, **kwargs)
         values = [v for v in values if v[0] is not field] + [(field, None, token)]
         fenced = base_qs.filter(fence__lte=token)
         updated = super()._do_update(fenced, using, pk_val, values, *rest, **kwargs)
@@ -130,12 +177,30 @@ class FencedModel(models.Model):
                 # Django would now INSERT the row again. It was loaded from
                 # the database, so someone deleted it since, possibly a newer
                 # holder (locked_delete): bringing it back would undo that.
-                raise StaleWrite(
-                    f"{self._meta.label} {pk_val!r} was deleted after it was loaded: a fenced "
-                    f"save with token {token} does not re-create it. To re-create it on "
-                    "purpose, save(fencing_token=..., force_insert=True).",
-                )
+                raise self._deleted_since_loaded(token)
         return updated
+
+    def _do_insert(self, *args: Any, **kwargs: Any) -> Any:
+        # Multi-table inheritance: when a parent's UPDATE (unfenced, its table
+        # has no fence) matches nothing, Django INSERTs the parent's row, then
+        # the child's, and never runs the fenced UPDATE. Any INSERT in a
+        # fenced save of a loaded row means the row was deleted since.
+        token = self._fencing_token
+        if token is not None and not self._state.adding and not self._fencing_reinsert:
+            raise self._deleted_since_loaded(token)
+        return super()._do_insert(*args, **kwargs)  # type: ignore[misc]
+
+    def _deleted_since_loaded(self, token: int) -> StaleWrite:
+        return StaleWrite(
+            f"{self._meta.label} {self.pk!r} was deleted after it was loaded: a fenced "
+            f"save with token {token} does not re-create it. To re-create it on "
+            "purpose, save(fencing_token=..., force_insert=True).",
+        )
+
+
+def _fence_table(model: type[models.Model]) -> type[models.Model]:
+    """The model whose own table has ``model``'s fence column: itself, or a parent."""
+    return model._meta.get_field("fence").model._meta.concrete_model  # type: ignore[return-value]
 
 
 def fenced_update(queryset: models.QuerySet[M], fencing_token: int, **values: Any) -> int:
@@ -156,3 +221,28 @@ def fenced_update(queryset: models.QuerySet[M], fencing_token: int, **values: An
                 f"{fence}, newer than {token}: this update is refused.",
             )
     return int(updated)
+
+
+def fenced_delete(queryset: models.QuerySet[M], fencing_token: int) -> tuple[int, dict[str, int]]:
+    """``queryset.delete()`` as a fenced write: all rows or none.
+
+    Rows whose ``fence`` is newer than the token make it raise ``StaleWrite``
+    and nothing is deleted, what the rows cascade to included (the check and
+    the delete run in one transaction). Returns what ``QuerySet.delete()``
+    returns.
+    """
+    token = _token(fencing_token)
+    with transaction.atomic(using=queryset.db):
+        # Write-locks the rows it matches until the delete commits, so no
+        # newer holder writes one of them between the check and the DELETE.
+        queryset.filter(fence__lte=token).update(fence=token)
+        stale = queryset.filter(fence__gt=token).values_list("pk", "fence")[:1]
+        for pk, fence in stale:
+            raise StaleWrite(
+                f"{queryset.model._meta.label} {pk!r} was written with fencing token "
+                f"{fence}, newer than {token}: this delete is refused.",
+            )
+        # fence__lte again: a row that appeared since the check is a newer
+        # holder's if its fence is newer, and is left alone.
+        deleted, per_model = queryset.filter(fence__lte=token).delete()
+    return deleted, per_model

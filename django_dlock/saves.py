@@ -14,20 +14,30 @@ released as the callback is freed. That relies on CPython freeing it at once
 (reference counting). Elsewhere the lease is released when the callback is
 garbage-collected, or ends at its TTL. Outside a transaction the lock is
 released as soon as the save returns.
+
+A save or delete whose thread (or asyncio task) already holds the
+instance's lock on the same backend, taken by a save or delete still under
+way or waiting for its commit, or by ``with lock(name)``, writes under that
+lease and its token instead of waiting for itself: a ``post_save`` receiver
+that saves again, two saves in one ``atomic()`` with ``release_on_commit``,
+a save inside ``with lock(instance_lock_name(obj))``. Whoever took the lease
+releases it.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
-from django.db import models, router
+from django.db import models, router, transaction
 
 from . import conf, keys
 from .fencing import FencedModel
 from .handle import HeldLock
-from .lock import lock
+from .lock import _acquired, lock
 from .transactions import release_at_transaction_end
 
 DEFAULT_KEY = "{app_label}.{model_name}:{pk}"
@@ -71,25 +81,26 @@ def lock_name(instance: models.Model, template: str = DEFAULT_KEY) -> str:
     return instance_lock_name(instance, template)
 
 
-class _SaveUnder:
-    """The save ``_under_lock`` runs: fenced with the lock's token on a FencedModel."""
+class _Fenced:
+    """The write ``_under_lock`` runs: fenced with the lock's token on a FencedModel.
+
+    ``write`` is the model's ``save`` or ``delete``, past LockedSaveMixin's.
+    """
 
     def __init__(
         self,
         instance: models.Model,
-        save: Callable[..., Any],
+        write: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
         self.fenced = isinstance(instance, FencedModel) and "fencing_token" not in kwargs
-        self.save, self.args, self.kwargs = save, args, kwargs
+        self.write, self.args, self.kwargs = write, args, kwargs
 
-    def __call__(self, held: HeldLock) -> HeldLock:
+    def __call__(self, held: HeldLock) -> Any:
         if self.fenced:
-            self.save(*self.args, fencing_token=held.token, **self.kwargs)
-        else:
-            self.save(*self.args, **self.kwargs)
-        return held
+            return self.write(*self.args, fencing_token=held.token, **self.kwargs)
+        return self.write(*self.args, **self.kwargs)
 
 
 def _unlocked(instance: models.Model, method: str) -> Callable[..., Any]:
@@ -97,6 +108,69 @@ def _unlocked(instance: models.Model, method: str) -> Callable[..., Any]:
     if isinstance(instance, LockedSaveMixin):
         return getattr(super(LockedSaveMixin, instance), method)  # type: ignore[no-any-return]
     return getattr(instance, method)  # type: ignore[no-any-return]
+
+
+class _Holding:
+    """An instance lock a save or delete of this thread (or task) holds.
+
+    ``until`` is set once the release waits for the end of a transaction: a
+    do-nothing ``on_commit`` callback registered with it. Django drops it at
+    the commit, or at the rollback of the transaction or savepoint, and from
+    then on the lease is not this thread's to use (its release may be under
+    way on another thread).
+    """
+
+    def __init__(self, held: HeldLock) -> None:
+        self.held = held
+        self.until: weakref.ref[_Pending] | None = None
+
+    def usable(self) -> bool:
+        held = self.held
+        if held.released or held.detached or held.inherited:
+            return False
+        return self.until is None or self.until() is not None
+
+
+class _Pending:
+    def __call__(self) -> None:
+        pass
+
+
+# The instance locks held by this thread's (or task's) saves and deletes, so
+# that a save inside a save of the same instance (a post_save receiver, a
+# second save in one atomic() with release_on_commit) uses the lease it
+# already holds instead of waiting for itself until LockTimeout.
+_holding: ContextVar[tuple[_Holding, ...]] = ContextVar("django_dlock_saves_holding", default=())
+
+
+def _held_here(backend: str, name: str) -> HeldLock | None:
+    """The lease on ``name`` that this thread or task holds already, if any.
+
+    One of its own saves' (above), or one taken with ``with lock(name)`` or
+    ``lock(name).acquire()`` (lock.py's stack of acquisitions in this context).
+    """
+    for holding in reversed(_holding.get()):
+        if holding.held.name == name and holding.held.alias == backend and holding.usable():
+            return holding.held
+    for lock_ref, held_ref in reversed(_acquired.get()):
+        held = held_ref()
+        if (
+            held is not None
+            and lock_ref() is not None
+            and held.name == name
+            and held.alias == backend
+            and not (held.released or held.detached or held.inherited)
+        ):
+            return held
+    return None
+
+
+def _keep(holding: _Holding) -> None:
+    _holding.set((*(h for h in _holding.get() if h.usable()), holding))
+
+
+def _drop(holding: _Holding) -> None:
+    _holding.set(tuple(h for h in _holding.get() if h is not holding and h.usable()))
 
 
 def _under_lock(
@@ -109,19 +183,32 @@ def _under_lock(
     timeout: float | None,
     release_on_commit: bool,
     using: str | None,
-) -> Any:
+) -> tuple[HeldLock, Any]:
     name = instance_lock_name(instance, key)
+    held = _held_here(backend, name)
+    if held is not None:
+        # The same thread holds it: write under that lease. Its holder releases it.
+        return held, write(held)
     with keys.templated(key):
         held = lock(name, backend=backend, ttl=ttl, timeout=timeout).acquire()
     db = using or router.db_for_write(type(instance), instance=instance)
+    holding = _Holding(held)
+    _keep(holding)
     try:
         result = write(held)
+        deferred = release_on_commit and release_at_transaction_end(held, db, body_raised=False)
     except BaseException:
+        _drop(holding)
         held.release_quietly()
         raise
-    if not (release_on_commit and release_at_transaction_end(held, db, body_raised=False)):
+    if deferred:
+        pending = _Pending()
+        holding.until = weakref.ref(pending)
+        transaction.on_commit(pending, using=db)
+    else:
+        _drop(holding)
         held.release()
-    return result
+    return held, result
 
 
 def locked_save(
@@ -139,10 +226,11 @@ def locked_save(
     Fenced with the lock's token when the model is a ``FencedModel``. Raises
     ``LockTimeout`` if the lock is not acquired within ``timeout`` seconds,
     and ``StaleWrite`` if a newer holder has written the row. Returns the
-    handle (released, or to be released at commit).
+    handle (released, or to be released at commit), or the lease this thread
+    already held on the name, which its holder releases.
     """
-    write = _SaveUnder(instance, _unlocked(instance, "save"), (), save_kwargs)
-    return _under_lock(  # type: ignore[no-any-return]
+    write = _Fenced(instance, _unlocked(instance, "save"), (), save_kwargs)
+    held, _ = _under_lock(
         instance,
         write,
         key=key,
@@ -152,6 +240,7 @@ def locked_save(
         release_on_commit=release_on_commit,
         using=save_kwargs.get("using"),
     )
+    return held
 
 
 def locked_delete(
@@ -164,11 +253,16 @@ def locked_delete(
     release_on_commit: bool = False,
     **delete_kwargs: Any,
 ) -> Any:
-    """``instance.delete(**delete_kwargs)`` while holding the instance's lock."""
-    delete = _unlocked(instance, "delete")
-    return _under_lock(
+    """``instance.delete(**delete_kwargs)`` while holding the instance's lock.
+
+    Fenced with the lock's token when the model is a ``FencedModel``: if a
+    newer holder has written the row, ``StaleWrite`` is raised and nothing is
+    deleted. Returns what ``delete()`` returns.
+    """
+    write = _Fenced(instance, _unlocked(instance, "delete"), (), delete_kwargs)
+    _, deleted = _under_lock(
         instance,
-        lambda held: delete(**delete_kwargs),
+        write,
         key=key,
         backend=backend,
         ttl=ttl,
@@ -176,6 +270,7 @@ def locked_delete(
         release_on_commit=release_on_commit,
         using=delete_kwargs.get("using"),
     )
+    return deleted
 
 
 class LockedSaveMixin(models.Model):
@@ -200,17 +295,13 @@ class LockedSaveMixin(models.Model):
         if _needs_pk(self, self.lock_key):
             super().save(*args, **kwargs)
             return
-        write = _SaveUnder(self, super().save, args, kwargs)
+        write = _Fenced(self, super().save, args, kwargs)
         _under_lock(self, write, using=kwargs.get("using"), **self._lock_options())
 
     def delete(self, *args: Any, **kwargs: Any) -> Any:
-        plain_delete = super().delete
-        return _under_lock(
-            self,
-            lambda held: plain_delete(*args, **kwargs),
-            using=kwargs.get("using"),
-            **self._lock_options(),
-        )
+        write = _Fenced(self, super().delete, args, kwargs)
+        _, deleted = _under_lock(self, write, using=kwargs.get("using"), **self._lock_options())
+        return deleted
 
     def _lock_options(self) -> dict[str, Any]:
         return {

@@ -40,3 +40,56 @@ class Counter(models.Model):
 
     def __str__(self) -> str:
         return str(self.value)
+
+
+class DocumentNote(models.Model):
+    """A row that a Document's delete cascades to."""
+
+    document = models.ForeignKey(Document, on_delete=models.CASCADE, related_name="notes")
+    text = models.CharField(max_length=100, default="")
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class FencedParent(FencedModel):
+    """Multi-table inheritance, the fence in the parent's table."""
+
+    title = models.CharField(max_length=100)
+
+    def __str__(self) -> str:
+        return self.title
+
+
+class ChildOfFenced(FencedParent):
+    extra = models.CharField(max_length=100, default="")
+
+
+class PlainParent(models.Model):
+    """Multi-table inheritance, the fence in the child's table."""
+
+    title = models.CharField(max_length=100)
+
+    def __str__(self) -> str:
+        return self.title
+
+
+class FencedChildOfPlain(PlainParent, FencedModel):
+    extra = models.CharField(max_length=100, default="")
+
+
+class LockedChildOfFenced(LockedSaveMixin, FencedParent):
+    lock_backend = "locmem"
+    note = models.CharField(max_length=100, default="")
+
+
+class LockedOrder(LockedSaveMixin, FencedModel):
+    """The docs' Order: a locked, fenced save held until the transaction commits."""
+
+    lock_backend = "locmem"
+    release_on_commit = True
+    status = models.CharField(max_length=20, default="new")
+    total = models.IntegerField(default=0)
+
+    def __str__(self) -> str:
+        return self.status

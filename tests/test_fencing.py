@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +222,7 @@ def test_locked_save_takes_the_lock_and_fences_with_its_token() -> None:
     assert held.released
     assert Document.objects.get(pk=doc.pk).fence == held.token
     assert instance_lock_name(doc) == f"tests.document:{doc.pk}"
-    with lock(instance_lock_name(doc), backend="locmem"):
+    with held_by_another_thread(instance_lock_name(doc)):
         with pytest.raises(LockTimeout):
             locked_save(doc, backend="locmem", timeout=0)
     locked_delete(doc, backend="locmem")
@@ -237,7 +240,7 @@ def test_the_mixin_locks_save_and_delete() -> None:
     doc.save()
     assert LockedDocument.objects.get(pk=doc.pk).fence > first
     doc.lock_timeout = 0
-    with lock(instance_lock_name(doc), backend="locmem"):
+    with held_by_another_thread(instance_lock_name(doc)):
         with pytest.raises(LockTimeout):
             doc.save()
         with pytest.raises(LockTimeout):
@@ -248,6 +251,32 @@ def test_the_mixin_locks_save_and_delete() -> None:
     other = LockedDocument.objects.create(title="other")
     locked_delete(other, backend="locmem", timeout=0)  # not the mixin's lock a second time
     assert not LockedDocument.objects.filter(pk=other.pk).exists()
+
+
+@contextlib.contextmanager
+def held_by_another_thread(name: str, backend: str = "locmem") -> Iterator[int]:
+    """Hold ``name`` in another thread for the block; yields that lease's token."""
+    acquired: queue.Queue[int | BaseException] = queue.Queue()
+    leave = threading.Event()
+
+    def hold() -> None:
+        try:
+            with lock(name, backend=backend, timeout=10) as held:
+                acquired.put(held.token)
+                leave.wait(timeout=60)
+        except BaseException as e:
+            acquired.put(e)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        token = acquired.get(timeout=30)
+        if isinstance(token, BaseException):
+            raise token
+        yield token
+    finally:
+        leave.set()
+        thread.join(timeout=30)
 
 
 def _held_elsewhere(name: str) -> bool:
