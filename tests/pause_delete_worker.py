@@ -36,6 +36,7 @@ def main() -> None:
     from django_dlock import lock
     from django_dlock.saves import locked_delete
     from django_dlock.signals import lock_acquired
+    from django_dlock.watchdog import get_watchdog
     from tests.models import Document, LockedDocument
 
     db, mode, ttl = config["database"], config["mode"], config["ttl"]
@@ -45,14 +46,19 @@ def main() -> None:
         while not os.path.exists(config["go"]):
             time.sleep(0.01)
 
-    def on_acquired(token: int, **kwargs: Any) -> None:
+    def on_acquired(token: int, held: Any, **kwargs: Any) -> None:
+        # No renewal: the test stops this process at a point of its choosing,
+        # not in the middle of a renewal's transaction, whose row lock would
+        # hold up the newer holder's acquisition until SIGCONT. The lease
+        # still runs out on the server, as a frozen watchdog lets it.
+        get_watchdog().cancel(held)
         pause_here(token)
 
     outcome: dict[str, str] = {}
     try:
         if mode == "by_hand":
             doc = Document.objects.using(db).get(pk=config["pk"])
-            with lock(config["name"], ttl=ttl) as held:
+            with lock(config["name"], ttl=ttl, renew=False) as held:
                 pause_here(held.token)
                 doc.delete(fencing_token=held.token, using=db)
         elif mode == "locked_delete":

@@ -402,8 +402,10 @@ def test_queryset_update_delete_and_the_admins_bulk_delete_bypass_the_lock(
     monkeypatch.setattr(LockedDocument, "lock_timeout", 0)
     kept = LockedDocument.objects.create(title="a")
     gone = LockedDocument.objects.create(title="b")
+    LockedDocument.objects.filter(pk=kept.pk).update(fence=NEWER)  # a newer holder's write
     with held_by_another_thread(instance_lock_name(kept)):
         assert LockedDocument.objects.filter(pk=kept.pk).update(title="bypassed") == 1
+        assert LockedDocument.objects.get(pk=kept.pk).title == "bypassed"  # no lock, no fence
         kept.title = "bulk"
         assert LockedDocument.objects.bulk_update([kept], ["title"]) == 1
         admin = LockedPerObjectAdmin(LockedDocument, AdminSite())
