@@ -45,6 +45,9 @@ _UNSET: Any = object()
 _acquired: ContextVar[tuple[tuple[weakref.ref[Lock], weakref.ref[HeldLock]], ...]] = ContextVar(
     "django_dlock_acquired", default=()
 )
+#: The leases of ``@lock(...)``-decorated calls running in this thread or task,
+#: innermost last: a locked save inside one writes under its lease (saves.py).
+decorated: ContextVar[tuple[HeldLock, ...]] = ContextVar("django_dlock_decorated", default=())
 
 
 class Lock:
@@ -187,11 +190,14 @@ class Lock:
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 with templated(self.name):
                     held = await self._aacquire(_UNSET, key_for(args, kwargs))
+                reset = decorated.set((*decorated.get(), held))
                 try:
                     result = await func(*args, **kwargs)
                 except BaseException:
+                    decorated.reset(reset)
                     await arelease_on_exit(held, True)
                     raise
+                decorated.reset(reset)
                 await arelease_on_exit(held, False)
                 return result
 
@@ -201,12 +207,15 @@ class Lock:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             with templated(self.name):
                 held = self._acquire(_UNSET, key_for(args, kwargs))
+            reset = decorated.set((*decorated.get(), held))
             try:
                 result = func(*args, **kwargs)
             except BaseException:
+                decorated.reset(reset)
                 if not self._release_at_commit(held, True):
                     release_on_exit(held, True)
                 raise
+            decorated.reset(reset)
             if not self._release_at_commit(held):
                 release_on_exit(held, False)
             return result

@@ -20,15 +20,17 @@ instance's lock on the same backend, taken by a save or delete still under
 way or waiting for its commit, or by ``with lock(name)``, writes under that
 lease and its token instead of waiting for itself: a ``post_save`` receiver
 that saves again, two saves in one ``atomic()`` with ``release_on_commit``,
-a save inside ``with lock(instance_lock_name(obj))``. Whoever took the lease
-releases it.
+a save inside ``with lock(instance_lock_name(obj))``, a ``@lock(...)``-decorated
+call, a guarded view or a locked task of the same name. Whoever took the
+lease releases it.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -37,7 +39,7 @@ from django.db import models, router, transaction
 from . import conf, keys
 from .fencing import FencedModel
 from .handle import HeldLock
-from .lock import _acquired, lock
+from .lock import _acquired, decorated, lock
 from .transactions import release_at_transaction_end
 
 DEFAULT_KEY = "{app_label}.{model_name}:{pk}"
@@ -146,23 +148,40 @@ _holding: ContextVar[tuple[_Holding, ...]] = ContextVar("django_dlock_saves_hold
 def _held_here(backend: str, name: str) -> HeldLock | None:
     """The lease on ``name`` that this thread or task holds already, if any.
 
-    One of its own saves' (above), or one taken with ``with lock(name)`` or
-    ``lock(name).acquire()`` (lock.py's stack of acquisitions in this context).
+    One of its own saves' (above), or one taken with ``with lock(name)``,
+    ``lock(name).acquire()``, a ``@lock(...)``-decorated call, a guarded view
+    or a locked task running here.
     """
     for holding in reversed(_holding.get()):
         if holding.held.name == name and holding.held.alias == backend and holding.usable():
             return holding.held
-    for lock_ref, held_ref in reversed(_acquired.get()):
-        held = held_ref()
+    for held in _context_leases():
         if (
-            held is not None
-            and lock_ref() is not None
-            and held.name == name
+            held.name == name
             and held.alias == backend
             and not (held.released or held.detached or held.inherited)
         ):
             return held
     return None
+
+
+def _context_leases() -> Iterator[HeldLock]:
+    """The leases taken in this thread or task by the other ways in, innermost first."""
+    for lock_ref, held_ref in reversed(_acquired.get()):
+        held = held_ref()
+        if held is not None and lock_ref() is not None:
+            yield held
+    yield from reversed(decorated.get())
+    from . import views
+
+    yield from reversed(views._running.get())
+    # The task adapters only when in use: celery.py imports Celery.
+    framework = sys.modules.get("django_dlock.task_framework")
+    if framework is not None:
+        yield from reversed(framework._running.get())
+    celery = sys.modules.get("django_dlock.celery")
+    if celery is not None:
+        yield from (entry[2] for entry in reversed(celery._running.get()))
 
 
 def _keep(holding: _Holding) -> None:

@@ -315,6 +315,55 @@ def test_a_save_and_a_delete_inside_with_lock_of_the_instance(backend_alias: str
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_save_inside_a_decorated_call_a_guarded_view_or_a_task_of_its_name() -> None:
+    """Issue 27 review: only ``with lock(...)`` was seen; these waited for themselves."""
+    from django.test import RequestFactory
+
+    from django_dlock.celery import locked_task
+    from django_dlock.views import lock_view
+
+    order = LockedOrder.objects.create()
+    order.lock_timeout = 0
+    name = instance_lock_name(order)
+    seen: list[tuple[str, int, int]] = []
+
+    def save_under(how: str, token: int) -> None:
+        order.total += 1
+        order.save()
+        seen.append((how, token, LockedOrder.objects.get(pk=order.pk).fence))
+
+    @lock(name, backend="locmem", timeout=0)
+    def decorated() -> None:
+        save_under("decorated", _held_elsewhere_holder_token(name))
+
+    @lock_view(name, backend="locmem")
+    def view(request: Any) -> Any:
+        from django.http import HttpResponse
+
+        save_under("view", request.dlock.token)
+        return HttpResponse("ok")
+
+    @locked_task(key=name, backend="locmem", on_locked="raise", name="tests.reentrant_save")
+    def task() -> None:
+        save_under("task", _held_elsewhere_holder_token(name))
+
+    decorated()
+    assert view(RequestFactory().post("/")).status_code == 200
+    task.apply().get()
+    assert [how for how, _, _ in seen] == ["decorated", "view", "task"]
+    assert all(token == fence for _, token, fence in seen)  # each saved under the outer lease
+    assert LockedOrder.objects.get(pk=order.pk).total == 3
+    assert not _held_elsewhere(name)
+
+
+def _held_elsewhere_holder_token(name: str) -> int:
+    from django_dlock import locks
+
+    [info] = locks["locmem"].list(name)
+    return info.token
+
+
+@pytest.mark.django_db(transaction=True)
 def test_another_threads_lease_and_another_backends_are_not_reused() -> None:
     order = LockedOrder.objects.create()
     order.lock_timeout = 0
