@@ -7,7 +7,10 @@ per thread that ever ran a command.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,3 +78,29 @@ def test_short_lived_threads_reuse_the_pools_connections(server: RedisServer, na
         finally:
             locks["default"].close()
     assert clients(server) == 0
+
+
+def test_each_event_loop_s_client_goes_with_the_loop(server: RedisServer, name: str) -> None:
+    """``asyncio.run()`` per call (``async_to_sync()`` from a thread without a loop does
+    the same): a closed loop's client and its connection must not stay for good."""
+    settings = {"BACKEND": REDIS, "LOCATION": server.url}
+
+    async def request(i: int) -> None:
+        async with lock(f"{name}:{i}", timeout=0):
+            pass
+
+    loops = 3 * MAX_CONNECTIONS
+    with override_settings(DLOCK_BACKENDS={"default": settings}):
+        try:
+            for i in range(loops):
+                asyncio.run(request(i))
+            with warnings.catch_warnings():
+                # The collector closes the dropped clients' sockets; their
+                # loops are closed, so nobody could await a cleaner close.
+                warnings.simplefilter("ignore", ResourceWarning)
+                gc.collect()
+            # The last loop's client is forgotten only when another loop comes.
+            assert clients(server) <= 1
+            assert len(locks["default"]._anode._clients) <= 1  # type: ignore[attr-defined]
+        finally:
+            locks["default"].close()
