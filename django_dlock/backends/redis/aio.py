@@ -30,7 +30,8 @@ class AsyncNode:
     """One server for the event loops of a process: a redis.asyncio client per loop.
 
     Clients are bound to the loop they were made in, so each running loop
-    gets its own, dropped with the loop. Commands go out at most one per
+    gets its own, dropped once the loop is closed (see ``_drop_closed``).
+    Commands go out at most one per
     free connection of its pool (less the subscription's): a command never
     waits inside the pool, so the moment it is sent is the moment its
     connection is ours, which the hand-over's lease is counted from.
@@ -48,6 +49,7 @@ class AsyncNode:
         loop = asyncio.get_running_loop()
         found = self._clients.get(loop)
         if found is None:
+            self._drop_closed()
             kwargs = {"timeout": None, **self._client_kwargs()}
             if kwargs["timeout"] is None:
                 kwargs["timeout"] = kwargs.get("socket_timeout")
@@ -55,6 +57,19 @@ class AsyncNode:
             slots = asyncio.Semaphore(max(1, pool.max_connections - 1))
             found = self._clients[loop] = (redis.asyncio.Redis(connection_pool=pool), slots)
         return found
+
+    def _drop_closed(self) -> None:
+        """Forget the clients (and notifiers) of event loops that are closed.
+
+        A client's connections refer to its loop, so the weak key alone
+        never lets a loop go: each ``asyncio.run()`` or ``async_to_sync()``
+        from a thread without a loop (a new loop each call) left a client
+        and its connection open for good. Dropped, they are garbage, and
+        the collector closes their sockets.
+        """
+        for loop in [loop for loop in list(self._clients) if loop.is_closed()]:
+            self._clients.pop(loop, None)
+            self._notifiers.pop(loop, None)
 
     def client(self) -> Any:
         """This event loop's client."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -78,11 +79,16 @@ class Node:
     per-command client machinery (retry wrapper, timing, metrics), which costs
     more than the round trip on loopback: they are written to a connection
     directly with redis-py's own Connection and parser. Our own clients give
-    each thread a dedicated connection, made by the client's pool
-    (``make_connection``) but never returned to it; a django-redis client's
-    connections are borrowed from, and returned to, its pool. A Cluster
-    client keeps redis-py's path, which routes each command to its slot's
-    master.
+    each thread a connection of its own, taken from the client's pool on the
+    thread's first command and kept for its later ones (a checkout per
+    command costs a lock and a poll of the socket), then given back to the
+    pool when the thread ends (see ``_Lease``): threads that come and go, a
+    thread per request under ASGI, reuse the connections of the ended ones,
+    and the pool's ``max_connections`` bounds the threads using the backend
+    at once, not all those that ever did. A django-redis client's
+    connections are borrowed from, and returned to, its pool per command. A
+    Cluster client keeps redis-py's path, which routes each command to its
+    slot's master.
     """
 
     def __init__(self, client: Any, label: str, *, dedicated: bool, retries: int) -> None:
@@ -118,15 +124,14 @@ class Node:
             return self.command("EVALSHA", script.sha, len(keys), *keys, *args)
 
     def _checkout(self) -> Any:
-        pool = self.client.connection_pool
         if not self.dedicated:
-            return pool.get_connection()
-        local = self._local
-        conn = getattr(local, "conn", None)
-        if conn is None or local.pid != os.getpid():
-            conn = local.conn = pool.make_connection()
-            local.pid = os.getpid()
-        return conn
+            return self.client.connection_pool.get_connection()
+        lease = getattr(self._local, "lease", None)
+        if lease is None or lease.pid != os.getpid():
+            # A lease made before a fork is dropped: the child's pool has
+            # forgotten its connection, and release() leaves it alone.
+            lease = self._local.lease = _Lease(self.client.connection_pool)
+        return lease.conn
 
     def _checkin(self, conn: Any) -> None:
         if not self.dedicated:
@@ -245,9 +250,40 @@ class Node:
                 conn.disconnect()  # the caller stopped early: a reply is on its way
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.disconnect()
+        lease = getattr(self._local, "lease", None)
+        if lease is not None:
+            self._local.lease = None
+            lease.conn.disconnect()
+            lease.give_back()
+
+
+class _Lease:
+    """A thread's connection, taken from ``pool`` and given back when the thread ends.
+
+    Held only by the node's ``threading.local``, which drops it when its
+    thread ends: ``__del__`` then runs (in the ending thread) and hands the
+    connection back to the pool for the next thread. Without it every
+    thread that ever ran a command kept a connection counted against the
+    pool's ``max_connections`` for good, and under a thread per request the
+    pool refused the 101st thread ("Too many connections").
+    """
+
+    __slots__ = ("conn", "pid", "pool")
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.pid = os.getpid()
+        self.conn = pool.get_connection()
+
+    def give_back(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.release(self.conn)
+
+    def __del__(self) -> None:
+        # At interpreter shutdown the pool may be half torn down already.
+        with contextlib.suppress(Exception):
+            self.give_back()
 
 
 def redacted(location: str) -> str:
