@@ -222,11 +222,13 @@ def main() -> None:
                 process.terminate()
                 process.wait(timeout=30)
     finally:
-        connections.close_all()
-        drop_other_sessions()
-        teardown_databases(databases, verbosity=0)
-        for server in servers:
-            server.cleanup()
+        try:
+            connections.close_all()
+            drop_other_sessions()
+            teardown_databases(databases, verbosity=0)
+        finally:
+            for server in servers:
+                server.cleanup()
 
     ideal = args.waiters * args.hold
     native = next((r["drain_s"] for r in rows if r["alias"] == "redis"), None)
