@@ -21,6 +21,8 @@ repeated carry ``held.token`` and the storage refuses the older token.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
 import threading
@@ -359,6 +361,10 @@ class HeldLock:
         return was_lost
 
     def _after_release(self, released: bool, was_lost: bool) -> None:
+        if released:
+            # An async waiter of this name in this process tries at once
+            # rather than at the end of its backoff (backends/offload.py).
+            self.backend.offload.wakes.wake(self.name)
         if not released:
             if not was_lost:
                 self.lost_reason = "release was refused: the lease expired or was broken"
@@ -385,10 +391,56 @@ class HeldLock:
         self._after_extend(extended, sent, ttl)
 
     async def arelease(self) -> None:
-        """:meth:`release`, awaited."""
+        """:meth:`release`, awaited.
+
+        Cancelling the await does not cancel the release: it goes on in the
+        background (a task kept referenced until done, or a thread of the
+        backend's if the event loop closes first) and its outcome is logged.
+        Otherwise a release cancelled before it was sent would leave the
+        lease held by nobody until its TTL ran out.
+        """
         was_lost = self._before_release()
-        if was_lost is not None:
-            self._after_release(await self.backend.ado_release(self.name, self.owner), was_lost)
+        if was_lost is None:
+            return
+        releasing = asyncio.ensure_future(self.backend.ado_release(self.name, self.owner))
+        _background.add(releasing)
+        releasing.add_done_callback(_background.discard)
+        try:
+            released = await asyncio.shield(releasing)
+        except asyncio.CancelledError:
+            releasing.add_done_callback(functools.partial(self._released_late, was_lost))
+            raise
+        self._after_release(released, was_lost)
+
+    def _released_late(self, was_lost: bool, releasing: asyncio.Future[bool]) -> None:
+        """The outcome of a release whose caller was cancelled: logged, never raised."""
+        if releasing.cancelled():
+            # The event loop is closing and cancelled it: finish in a thread.
+            # (A release that had already been sent is then sent again; being
+            # owner-checked, the second finds nothing and is only logged.)
+            self.backend.offload.submit("ops", self._release_again, was_lost)
+            return
+        error = releasing.exception()
+        if error is not None:
+            logger.warning(
+                "Releasing %r (its caller was cancelled) failed: %r", self, error, exc_info=error
+            )
+            return
+        try:
+            self._after_release(releasing.result(), was_lost)
+        except LockLost as e:
+            logger.warning("%s", e)
+
+    def _release_again(self, was_lost: bool) -> None:
+        try:
+            released = self.backend.do_release(self.name, self.owner)
+        except Exception:
+            logger.exception("Could not release lock %r on %r", self.name, self.alias)
+            return
+        if released:
+            self._after_release(True, was_lost)
+        else:
+            logger.debug("%r: nothing left to release after the cancelled release", self)
 
     def detach(self) -> dict[str, Any]:
         """Hand the lease over: stop renewing it here and return a ticket for another process.
@@ -553,6 +605,10 @@ class HeldLock:
                 self._expiry_cell[0] = self._expires
         if self._renew_enabled:
             get_watchdog().schedule(self, ttl / 3)
+
+
+#: Releases whose caller was cancelled, kept referenced until they are done.
+_background: set[asyncio.Future[Any]] = set()
 
 
 def release_on_exit(held: HeldLock, body_raised: bool) -> None:

@@ -23,25 +23,32 @@ A backend writes the primitives; the loop is here, once:
     without hearing so (an unknown outcome). The default calls ``do_release``.
 ``atry_acquire()`` / ``await_(remaining)`` / ``aabandon()`` / ``arelease()``
     The same, awaitable. They are used only by a backend whose
-    ``native_async`` is true, which overrides them; otherwise an async
-    acquire runs the sync loop in one worker thread (a cancelled caller's
-    attempt then finishes there, and whatever it got is released).
+    ``native_async`` is true, which overrides them.
+``await_free(remaining)``
+    On a backend without ``native_async``: wait on the event loop, with no
+    thread, until a release of the name in this process or the backoff's end.
+    An attempt class that overrides ``wait()`` but not this one waits by
+    blocking (``waits_on_loop`` is then False): an async acquire runs its
+    whole loop in a thread of the backend's own (``offload.py``), and a
+    cancelled caller's attempt finishes there, whatever it got released.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..exceptions import BackendUnavailable, LockNotOwned, LockTimeout
 from ..handle import HeldLock
 from ..keys import acquiring_template
 from ..signals import lock_timeout
+from .offload import LONG_WAIT, finish
 from .types import Grant
 
 if TYPE_CHECKING:
@@ -93,6 +100,18 @@ class Attempt:
     ``holder`` is the holder metadata and its JSON text; ``waits`` counts the
     calls to :meth:`wait` so far (the default backoff's exponent).
     """
+
+    #: Can an async acquisition wait with :meth:`await_free`, on the event
+    #: loop (True), or must its waits block a thread (False)? False for a
+    #: subclass that overrides ``wait`` and not ``await_free``.
+    waits_on_loop: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "wait" in cls.__dict__ and "await_free" not in cls.__dict__:
+            cls.waits_on_loop = False
+        elif "await_free" in cls.__dict__:
+            cls.waits_on_loop = True
 
     def __init__(
         self,
@@ -171,6 +190,27 @@ class Attempt:
     async def arelease(self) -> bool:
         return await self.backend.ado_release(self.name, self.owner)
 
+    async def await_free(self, remaining: float | None) -> None:
+        """:meth:`wait` on the event loop: the backoff, cut short by a release here.
+
+        Only the first few waiters of a name in this process poll on the
+        backoff; the others wait to be woken (``offload.LocalWakes``).
+        """
+        delay = backoff(self.waits)
+        self.waits += 1
+        longest = LONG_WAIT if remaining is None else remaining
+        await self.backend.offload.wakes.wait(
+            self.name,
+            self,
+            delay if remaining is None else min(delay, remaining),
+            longest,
+            self.queued_rank(),
+        )
+
+    def queued_rank(self) -> int | None:
+        """Where the service queued this waiter, if it keeps a queue (lower: served sooner)."""
+        return None
+
     # --- the loop -----------------------------------------------------------------------
 
     def run(self, timeout: float | None, deadline: float | None) -> HeldLock:
@@ -224,6 +264,92 @@ class Attempt:
                 done, step = _advance(steps, result)
         held: HeldLock = step
         return held
+
+    async def arun_on_loop(self, timeout: float | None, deadline: float | None) -> HeldLock:
+        """Acquire on a thread-based backend, waiting on the event loop.
+
+        The loop is advanced in a thread of the backend's own executors, which
+        makes its calls to the service (a try; and a late grant's release, or
+        the abandon and release on its way out) until it waits or sleeps, or
+        ends (the handle is made there too, as in the sync API: receivers of
+        ``lock_acquired`` may use the ORM). Only the waits are on the event
+        loop, holding no thread. A call under way when the caller is
+        cancelled is finished first, so that the cleanup (release what it
+        got, leave the queue) comes after it.
+        """
+        offload = self.backend.offload
+        steps = self._steps(timeout, deadline, refused=False)
+        work: tuple[str, Callable[[], tuple[bool, Any]]] = (
+            "tries",
+            functools.partial(self._run_steps, steps, next(steps)),
+        )
+        offload.wakes.join(self.name, self)
+        try:
+            while True:
+                executor, call = work
+                future = offload.submit(executor, call)
+                try:
+                    done, step = await finish(future)
+                except asyncio.CancelledError:
+                    if not future.done() or future.cancelled() or future.exception() is not None:
+                        raise  # the loop closed, or the attempt ended in an error
+                    # The thread's calls were made: go on from where they left the loop.
+                    done, step = future.result()
+                    if done:
+                        offload.submit("ops", step.release_quietly)
+                        raise
+                    work = (
+                        "ops",
+                        functools.partial(self._run_steps, steps, error=asyncio.CancelledError()),
+                    )
+                    continue
+                if done:
+                    held: HeldLock = step
+                    return held
+                kind, args = step
+                try:
+                    if kind == "wait":
+                        await self.await_free(*args)
+                    else:
+                        await asyncio.sleep(*args)
+                except BaseException as e:
+                    work = ("ops", functools.partial(self._run_steps, steps, error=e))
+                else:
+                    work = ("tries", functools.partial(self._run_steps, steps))
+        finally:
+            offload.wakes.leave(self.name, self)
+
+    def _run_steps(
+        self,
+        steps: Generator[Step, Any, HeldLock],
+        step: Step | None = None,
+        error: BaseException | None = None,
+    ) -> tuple[bool, Any]:
+        """In a thread: make the loop's calls to the service until it waits, sleeps or ends.
+
+        From ``step`` if given, else after a wait (or ``error`` thrown in).
+        Returns whether the loop ended, and its handle or its next step.
+        """
+        calls: dict[str, Callable[[], Any]] = {
+            "acquire": self.try_acquire,
+            "abandon": self.abandon,
+            "release": self.release,
+        }
+        if step is None:
+            done, step = _advance(steps, error=error)
+        else:
+            done = False
+        while not done:
+            kind = step[0]
+            if kind not in calls:
+                break
+            try:
+                result = calls[kind]()
+            except BaseException as e:
+                done, step = _advance(steps, error=e)
+            else:
+                done, step = _advance(steps, result)
+        return done, step
 
     def _drive(
         self,

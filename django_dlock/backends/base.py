@@ -35,8 +35,10 @@ to ``do_acquire``; ``docs/development.md`` walks through writing one.
     gives it), or None; one lookup, not a listing by prefix.
 ``ado_release`` / ``ado_extend`` / ``ado_check``
     The same, awaitable, for the async API. The defaults run the sync
-    primitive in a worker thread; a backend that sets ``native_async`` talks
-    to the service from the event loop (Redis on one server).
+    primitive in a thread of the backend's own ``ops`` executor, never the
+    event loop's default one, where waiting acquisitions would hold it up
+    (``offload.py``); a backend that sets ``native_async`` talks to the
+    service from the event loop (Redis on one server).
 ``do_extend_many(leases)`` / ``do_extend_slots_many(leases)``
     Renew up to ``renew_batch`` leases ``(name, owner, ttl)``; per lease, what
     ``do_extend`` would return, or raise. Defaults: one lease at a time.
@@ -103,8 +105,6 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import contextvars
-import functools
 import logging
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
@@ -145,6 +145,7 @@ from .attempts import (
     retrieve_outcome,
 )
 from .capabilities import RenamedCapabilities
+from .offload import Offload
 from .types import (
     Grant,
     LockInfo,
@@ -216,6 +217,8 @@ class BaseLockBackend(RenamedCapabilities):
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         self.alias = alias
+        #: The threads the async API runs blocking calls in (``offload.py``).
+        self.offload = Offload(alias)
         # Handles whose keys are equal are renewed together (one do_extend_many).
         self.renewal_key: Hashable = self
         # The dotted path as configured (``django_dlock.backends.etcd.EtcdBackend``),
@@ -389,22 +392,25 @@ class BaseLockBackend(RenamedCapabilities):
     def close(self) -> None:
         """Release client resources; held leases are left to expire or be released."""
 
-    # --- awaitable primitives: release, extend and check in a worker thread
-    # unless the backend has native ones.
+    # --- awaitable primitives: release, extend and check in a thread of the
+    # backend's ``ops`` executor unless the backend has native ones.
 
     #: The awaitable primitives talk to the service from the event loop
-    #: itself; otherwise an async acquire runs the sync one in a worker thread.
+    #: itself; otherwise the async API runs the sync ones in the backend's
+    #: own threads (``offload.py``).
     #: (An instance attribute: for Redis it depends on the settings.)
     native_async: bool = False
 
     async def ado_release(self, name: str, owner: str) -> bool:
-        return await asyncio.to_thread(self.do_release, name, owner)
+        return await asyncio.wrap_future(self.offload.submit("ops", self.do_release, name, owner))
 
     async def ado_extend(self, name: str, owner: str, ttl: float) -> bool:
-        return await asyncio.to_thread(self.do_extend, name, owner, ttl)
+        return await asyncio.wrap_future(
+            self.offload.submit("ops", self.do_extend, name, owner, ttl)
+        )
 
     async def ado_check(self, name: str, owner: str) -> bool:
-        return await asyncio.to_thread(self.do_check, name, owner)
+        return await asyncio.wrap_future(self.offload.submit("ops", self.do_check, name, owner))
 
     # --- public API -----------------------------------------------------------------
 
@@ -486,27 +492,30 @@ class BaseLockBackend(RenamedCapabilities):
             ttl = self.default_ttl
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = self.attempt(name, new_owner(), ttl, holder_metadata(ttl, metadata), renew)
-        if not self.native_async:
-            # The whole acquisition in one worker thread. If the caller stops
-            # waiting, the attempt gives up at its next step (leaving any
-            # queue), and whoever comes second (the thread or the caller)
-            # releases what it got.
-            handoff = Handoff()
+        if self.native_async:
+            return await attempt.arun(timeout, deadline)
+        if attempt.waits_on_loop:
+            # Tries in threads, waits on the event loop: no thread is held
+            # while it waits (the database; Redis without native async).
+            return await attempt.arun_on_loop(timeout, deadline)
+        # The whole acquisition in a thread of the backend's ``waits``
+        # executor (never the loop's default one, which the releases of
+        # other code may need). If the caller stops waiting, the attempt
+        # gives up at its next step (leaving any queue), and whoever comes
+        # second (the thread or the caller) releases what it got.
+        handoff = Handoff()
 
-            def acquire() -> HeldLock:
-                return handoff.deliver(attempt.run(timeout, deadline))
+        def acquire() -> HeldLock:
+            return handoff.deliver(attempt.run(timeout, deadline))
 
-            acquiring = asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(contextvars.copy_context().run, acquire)
-            )
-            try:
-                return await asyncio.shield(acquiring)
-            except asyncio.CancelledError:
-                attempt.stop()
-                release = handoff.abandon()
-                acquiring.add_done_callback(release_unwanted if release else retrieve_outcome)
-                raise
-        return await attempt.arun(timeout, deadline)
+        acquiring = asyncio.wrap_future(self.offload.submit("waits", acquire))
+        try:
+            return await asyncio.shield(acquiring)
+        except asyncio.CancelledError:
+            attempt.stop()
+            release = handoff.abandon()
+            acquiring.add_done_callback(release_unwanted if release else retrieve_outcome)
+            raise
 
     def adopt(
         self,

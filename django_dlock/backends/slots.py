@@ -15,6 +15,7 @@ watchdog, async) is the mutex's, unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,10 @@ class SlotAttempt(Attempt):
     def wait(self, remaining: float | None) -> None:
         bound = self.ttl / 3
         super().wait(bound if remaining is None else min(remaining, bound))
+
+    async def await_free(self, remaining: float | None) -> None:
+        bound = self.ttl / 3
+        await super().await_free(bound if remaining is None else min(remaining, bound))
 
     def abandon(self) -> None:
         self.backend.base.do_leave_slot(self.name, self.owner)
@@ -126,20 +131,21 @@ class SlotView:
     def do_extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | Exception]:
         return self.base.do_extend_slots_many(leases)
 
+    # In the backend's own ``ops`` threads, as the mutex's (offload.py).
     async def ado_release(self, name: str, owner: str) -> bool:
-        import asyncio
-
-        return await asyncio.to_thread(self.do_release, name, owner)
+        return await asyncio.wrap_future(
+            self.base.offload.submit("ops", self.do_release, name, owner)
+        )
 
     async def ado_extend(self, name: str, owner: str, ttl: float) -> bool:
-        import asyncio
-
-        return await asyncio.to_thread(self.do_extend, name, owner, ttl)
+        return await asyncio.wrap_future(
+            self.base.offload.submit("ops", self.do_extend, name, owner, ttl)
+        )
 
     async def ado_check(self, name: str, owner: str) -> bool:
-        import asyncio
-
-        return await asyncio.to_thread(self.do_check, name, owner)
+        return await asyncio.wrap_future(
+            self.base.offload.submit("ops", self.do_check, name, owner)
+        )
 
     def do_detach(self, name: str, owner: str) -> Any:
         raise NotImplementedError(

@@ -63,6 +63,8 @@ class RedisAttempt(Attempt):
     handed: Grant | None = None
     #: What the event loop's notifier knows of it (native async; waiters.py).
     waiter: Waiter | None = None
+    #: The server's clock when a try first queued it (async, not native).
+    first_queued_us: int | None = None
 
     def try_acquire(self) -> int | Grant | None:
         return self.backend._try_acquire(self)
@@ -72,6 +74,19 @@ class RedisAttempt(Attempt):
 
     def abandon(self) -> None:
         self.backend._abandon(self)
+
+    async def await_free(self, remaining: float | None) -> None:
+        # Without native async (a Cluster, Redlock, django-redis): no BLPOP
+        # holding a thread and a connection per waiter; polled instead
+        # (a hand-over is granted at the next try).
+        await super().await_free(remaining)
+
+    def queued_rank(self) -> int | None:
+        # The server's clock at the first try that queued it: the queue is in
+        # that order (later tries refresh its place, they do not move it).
+        if self.queued_at is not None and self.first_queued_us is None:
+            self.first_queued_us = self.queued_at[1]
+        return self.first_queued_us
 
     async def atry_acquire(self) -> int | Grant | None:
         return await self.backend._atry_acquire(self)

@@ -68,6 +68,11 @@ class RedisSlotAttempt(SlotAttempt):
     def wait(self, remaining: float | None) -> None:
         self.redis.block_on_slot(self, remaining)
 
+    async def await_free(self, remaining: float | None) -> None:
+        # Without native async (a Cluster, django-redis): polled on the
+        # event loop rather than a BLPOP holding a thread and a connection.
+        await super().await_free(remaining)
+
 
 @dataclass(frozen=True)
 class SlotKeys:
