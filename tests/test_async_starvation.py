@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -346,3 +347,57 @@ def test_a_release_here_wakes_one_waiter_and_only_the_first_two_poll() -> None:
         return woken
 
     assert asyncio.run(scenario()) == [0, 1, 2]
+
+
+_SESSIONS = {
+    "postgresql": "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()",
+    "mysql": "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE()",
+}
+
+
+@pytest.mark.backends("db-postgresql", "db-mysql")
+@pytest.mark.with_default_db
+def test_the_backends_threads_leave_no_connection_open(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    """The backend's own threads close their connections once idle.
+
+    They outlive requests and tests: a connection each kept stayed idle for
+    the life of the process, and ``manage.py test`` could not drop its test
+    database ("is being accessed by other users"), found by tests/realproject.
+    """
+    from django.conf import settings
+    from django.db import connections
+
+    db = connections[settings.CONFORMANCE_BACKENDS[backend_alias]]
+
+    def sessions() -> int:
+        with db.cursor() as cursor:
+            cursor.execute(_SESSIONS[db.vendor])
+            return int(cursor.fetchone()[0])
+
+    before = sessions()
+
+    async def scenario() -> list[BaseException]:
+        first = await lock(name, backend=backend_alias).aacquire_handle()
+        run = asyncio.create_task(
+            _serve(
+                lambda n, **kw: lock(n, backend=backend_alias, **kw),
+                name,
+                10,
+                ttl=5.0,
+                hold=0.01,
+                limit=1,
+                stagger=0.01,
+            )
+        )
+        await asyncio.sleep(0.3)
+        await first.arelease()
+        _, errors, _ = await run
+        return errors
+
+    assert asyncio.run(scenario()) == []
+    deadline = time.monotonic() + 10  # the server ends a session just after its close
+    while sessions() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sessions() == before

@@ -218,7 +218,7 @@ class BaseLockBackend(RenamedCapabilities):
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         self.alias = alias
         #: The threads the async API runs blocking calls in (``offload.py``).
-        self.offload = Offload(alias)
+        self.offload = Offload(alias, close_connections=self.uses_django_connections)
         # Handles whose keys are equal are renewed together (one do_extend_many).
         self.renewal_key: Hashable = self
         # The dotted path as configured (``django_dlock.backends.etcd.EtcdBackend``),

@@ -48,7 +48,8 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 #: Threads per backend for releases, extends, checks and abandons. (On the
-#: database backend each thread has a connection of its own.)
+#: database backend each thread has a connection of its own while it has work;
+#: see :meth:`Offload.submit`.)
 OPS_THREADS = 4
 #: Threads per backend for the tries of acquisitions that wait on the event loop.
 TRY_THREADS = 2
@@ -68,8 +69,9 @@ _offloads: weakref.WeakSet[Offload] = weakref.WeakSet()
 class Offload:
     """One backend's executors (made on first use) and its waiters' wake-ups."""
 
-    def __init__(self, alias: str) -> None:
+    def __init__(self, alias: str, *, close_connections: bool = False) -> None:
         self.alias = alias
+        self.close_connections = close_connections
         self._mutex = threading.Lock()
         self._executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         self.wakes = LocalWakes()
@@ -91,14 +93,40 @@ class Offload:
     def submit(
         self, kind: str, func: Callable[..., T], *args: Any
     ) -> concurrent.futures.Future[T]:
-        """Run ``func(*args)`` on executor ``kind`` in a copy of the current context."""
-        return self.executor(kind).submit(contextvars.copy_context().run, func, *args)
+        """Run ``func(*args)`` on executor ``kind`` in a copy of the current context.
+
+        For a backend on Django's connections (``close_connections``), a
+        thread that has no more work queued closes its connections after the
+        call: these threads outlive requests and tests, and a connection they
+        kept would stay idle on the server for the life of the process (and
+        stop ``manage.py test`` from dropping its test database). Under load
+        the next call reuses the connection.
+        """
+        executor = self.executor(kind)
+        if self.close_connections:
+            return executor.submit(
+                contextvars.copy_context().run, _closing_when_idle, executor, func, *args
+            )
+        return executor.submit(contextvars.copy_context().run, func, *args)
 
     def _after_fork(self) -> None:
         # The parent's worker threads do not exist here: new executors on first use.
         self._mutex = threading.Lock()
         self._executors = {}
         self.wakes = LocalWakes()
+
+
+def _closing_when_idle(
+    executor: concurrent.futures.ThreadPoolExecutor, func: Callable[..., T], *args: Any
+) -> T:
+    try:
+        return func(*args)
+    finally:
+        if executor._work_queue.empty():
+            from django.db import connections
+
+            for connection in connections.all(initialized_only=True):
+                connection.close()
 
 
 def _after_fork_in_child() -> None:
