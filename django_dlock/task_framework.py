@@ -7,7 +7,6 @@ installed; see that module for the options and the queue-scope lifecycle.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import inspect
 import logging
@@ -164,14 +163,15 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
     async def acall(self, *args: Any, **kwargs: Any) -> Any:
         """:meth:`call`, awaited.
 
-        The lock is taken in a thread of its own (a wait must not hold the
-        one thread that sync code called from async shares), then the body
-        runs as the framework's ``acall`` runs it. Cancelled while it waits,
-        the lease the thread gets after all is released.
+        The lock is taken in a thread of the lock backend's ``waits``
+        executor (a wait must not hold the one thread that sync code called
+        from async shares, nor a thread of the loop's default executor that a
+        release may need), then the body runs as the framework's ``acall``
+        runs it. Cancelled while it waits, the lease the thread gets after all
+        is released.
         """
-        entering = asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(contextvars.copy_context().run, self._enter, args, kwargs)
-        )
+        backend = locks[self.lock_options.backend]
+        entering = asyncio.wrap_future(backend.offload.submit("waits", self._enter, args, kwargs))
         try:
             held = await asyncio.shield(entering)
         except asyncio.CancelledError:

@@ -497,6 +497,27 @@ def test_an_acall_cancelled_while_it_waits_leaves_no_lease(key: str, log: str) -
     assert read_log(log) == []
 
 
+def test_an_acall_that_waits_uses_no_thread_of_the_default_executor(key: str, log: str) -> None:
+    """Issue 27 #5: its wait took a thread of the loop's default executor, as releases did."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class NoDefaultExecutor(ThreadPoolExecutor):
+        def submit(self, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("acall() used the event loop's default executor")
+
+    blocker = locks["locmem"].acquire(f"wait:{key}")
+
+    async def wait_then_run() -> Any:
+        asyncio.get_running_loop().set_default_executor(NoDefaultExecutor(1))
+        call = asyncio.ensure_future(ft.waiting.acall(key, log))
+        await asyncio.sleep(0.2)
+        blocker.release()
+        return await asyncio.wait_for(call, 20)
+
+    assert asyncio.run(wait_then_run()) is not None
+    assert len(read_log(log)) == 1
+
+
 def test_acall_locks_like_call(key: str, log: str) -> None:
     token = async_to_sync(ft.skipping.acall)(key, log)
     assert read_log(log)[0]["token"] == token
