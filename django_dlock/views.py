@@ -176,9 +176,13 @@ class _Guard:
             with templated(self.template.template):
                 held = await self.lock.aacquire_handle(name=name)  # native where the backend is
         except LockTimeout:
-            return await asyncio.to_thread(
-                functools.partial(locked_response, limit=self.limit),
-                name, self.backend, self.status,
+            # On the backend's own threads: under load the loop's default
+            # executor is busy, and this answer must not wait for it.
+            return await asyncio.wrap_future(
+                locks[self.backend].offload.submit(
+                    "ops", functools.partial(locked_response, limit=self.limit),
+                    name, self.backend, self.status,
+                )
             )  # fmt: skip
         try:
             with _lease_on(request, held):

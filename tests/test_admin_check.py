@@ -24,11 +24,12 @@ from django.test import Client
 from django.test.utils import isolate_apps
 from django.urls import path
 
-from django_dlock import LockTimeout, lock
+from django_dlock import LockTimeout
 from django_dlock.admin import LockedModelAdmin, LockedModelAdminMixin
 from django_dlock.saves import LockedSaveMixin, instance_lock_name
 from tests import views_atomic  # noqa: F401  (its admin site, registered right, is checked too)
 from tests.models import Document, LockedDocument, LockedNote
+from tests.test_fencing import held_by_another_thread
 
 
 @pytest.fixture
@@ -170,7 +171,7 @@ def test_a_plain_model_admin_answers_500_when_the_lock_is_held(
     doc = LockedDocument.objects.create(title="original")
     client = Client(raise_request_exception=False)
     client.force_login(admin_user)
-    with lock(instance_lock_name(doc), backend="locmem"):
+    with held_by_another_thread(instance_lock_name(doc)):
         response = client.post(f"/admin/tests/lockeddocument/{doc.pk}/change/", {"title": "x"})
     assert response.status_code == 500
     assert isinstance(response.exc_info[1], LockTimeout)
@@ -231,7 +232,7 @@ def test_an_inline_of_a_locked_model_is_a_500_in_a_plain_admin_and_refused_in_lo
         for admin_class, status in ((OrderAdmin, 500), (LockedOrderAdmin, 200)):
             site.register(Order, admin_class)
             serve(site, settings)
-            with lock(instance_lock_name(line), backend="locmem"):
+            with held_by_another_thread(instance_lock_name(line)):
                 response = client.post(change, form)
             site.unregister(Order)
             assert response.status_code == status, admin_class

@@ -26,6 +26,7 @@ from django_dlock.saves import instance_lock_name
 from django_dlock.views import lock_view
 from tests import views_atomic
 from tests.models import Counter, Document, LockedDocument
+from tests.test_fencing import held_by_another_thread
 
 pytestmark = pytest.mark.urls("tests.views_atomic")
 
@@ -382,7 +383,8 @@ def test_the_admin_refuses_a_save_whose_lock_is_held_with_a_message(
     monkeypatch.setattr(LockedDocument, "lock_timeout", 0)
     doc = LockedDocument.objects.create(title="original")
     change = f"/admin/tests/lockeddocument/{doc.pk}/change/"
-    with lock(instance_lock_name(doc), backend="locmem"):
+    # Held by another thread: this thread's own lease would be reused (saves are reentrant).
+    with held_by_another_thread(instance_lock_name(doc)):
         response = admin_client.post(change, {"title": "edited"})
         assert response.status_code == 200  # the form again, with what was typed
         text = response.content.decode()
