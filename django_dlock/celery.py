@@ -111,6 +111,11 @@ _running: ContextVar[tuple[tuple[Task, str | None, HeldLock], ...]] = ContextVar
 )
 
 
+def leases_here() -> tuple[HeldLock, ...]:
+    """The leases of the locked tasks running in this context, innermost first."""
+    return tuple(held for _, _, held in reversed(_running.get()))
+
+
 @dataclass(frozen=True)
 class LockOptions(TaskLockOptions):
     """The ``lock={...}`` options of a locked task, validated."""

@@ -276,6 +276,13 @@ class Lock:
         raise RuntimeError(f"{self!r} was not acquired in this thread or task.")
 
 
+def leases_here() -> list[HeldLock]:
+    """The leases taken in this thread or task by ``with lock(...)``,
+    ``lock(...).acquire()`` or a ``@lock(...)``-decorated call, innermost first."""
+    stacked = [held for ref, held_ref in _acquired.get() if ref() and (held := held_ref())]
+    return [*reversed(stacked), *reversed(decorated.get())]
+
+
 #: ``lock(name, ttl=..., timeout=..., backend=..., metadata=..., renew=...,
 #: release_on_commit=..., using=...)``
 lock = Lock

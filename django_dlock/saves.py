@@ -39,7 +39,7 @@ from django.db import models, router, transaction
 from . import conf, keys
 from .fencing import FencedModel
 from .handle import HeldLock
-from .lock import _acquired, decorated, lock
+from .lock import leases_here, lock
 from .transactions import release_at_transaction_end
 
 DEFAULT_KEY = "{app_label}.{model_name}:{pk}"
@@ -167,21 +167,15 @@ def _held_here(backend: str, name: str) -> HeldLock | None:
 
 def _context_leases() -> Iterator[HeldLock]:
     """The leases taken in this thread or task by the other ways in, innermost first."""
-    for lock_ref, held_ref in reversed(_acquired.get()):
-        held = held_ref()
-        if held is not None and lock_ref() is not None:
-            yield held
-    yield from reversed(decorated.get())
     from . import views
 
-    yield from reversed(views._running.get())
+    yield from leases_here()
+    yield from views.leases_here()
     # The task adapters only when in use: celery.py imports Celery.
-    framework = sys.modules.get("django_dlock.task_framework")
-    if framework is not None:
-        yield from reversed(framework._running.get())
-    celery = sys.modules.get("django_dlock.celery")
-    if celery is not None:
-        yield from (entry[2] for entry in reversed(celery._running.get()))
+    for adapter in ("django_dlock.task_framework", "django_dlock.celery"):
+        module = sys.modules.get(adapter)
+        if module is not None:
+            yield from module.leases_here()
 
 
 def _keep(holding: _Holding) -> None:

@@ -7,10 +7,10 @@ installed; see that module for the options and the queue-scope lifecycle.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -107,6 +107,11 @@ class LockOptions(TaskLockOptions):
         return cls(**common)
 
 
+def leases_here() -> tuple[HeldLock, ...]:
+    """The leases of the locked tasks running in this context, innermost first."""
+    return tuple(reversed(_running.get()))
+
+
 def current_lock() -> HeldLock | None:
     """The lease of the locked task whose body runs here (innermost), else None.
 
@@ -171,13 +176,14 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
         is released.
         """
         backend = locks[self.lock_options.backend]
-        entering = asyncio.wrap_future(backend.offload.submit("waits", self._enter, args, kwargs))
+        future = backend.offload.submit("waits", self._enter, args, kwargs)
         try:
-            held = await asyncio.shield(entering)
+            held = await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
             # The thread goes on and may get the lease: nobody would run under
-            # it, so it is released as soon as it comes.
-            entering.add_done_callback(_release_unwanted)
+            # it, so it is released as soon as it comes, in that thread (the
+            # event loop may be closed by then).
+            future.add_done_callback(_release_unwanted)
             raise
         if held is None:
             return None
@@ -401,15 +407,13 @@ def _release_ticket(ticket: Mapping[str, Any]) -> None:
         logger.warning("Could not release the queue lease %r", ticket.get("name"), exc_info=True)
 
 
-def _release_unwanted(entering: asyncio.Future[HeldLock | None]) -> None:
-    """Release what a cancelled ``acall()``'s thread got (off the event loop)."""
+def _release_unwanted(entering: concurrent.futures.Future[HeldLock | None]) -> None:
+    """Release what a cancelled ``acall()``'s thread got, in that thread."""
     if entering.cancelled() or entering.exception() is not None:
         return
     held = entering.result()
     if held is not None:
-        threading.Thread(
-            target=held.release_quietly, name="django-dlock-unwanted", daemon=True
-        ).start()
+        held.release_quietly()
 
 
 def _release_on_rollback(ticket: Mapping[str, Any]) -> None:

@@ -195,6 +195,11 @@ class _Guard:
 _running: ContextVar[tuple[HeldLock, ...]] = ContextVar("django_dlock_views", default=())
 
 
+def leases_here() -> tuple[HeldLock, ...]:
+    """The leases of the guarded views running in this thread or task, innermost first."""
+    return tuple(reversed(_running.get()))
+
+
 def current_lock() -> HeldLock | None:
     """The lease of the guarded view that runs here (innermost), else None.
 
