@@ -299,3 +299,49 @@ def test_a_slow_lock_released_receiver_after_a_rollback_delays_no_renewal(
         finish.set()
         lock_released.disconnect(dispatch_uid="slow-released")
     keep.release()
+
+
+def _child_gets_its_lock_lost(queue: Any, name: str) -> None:
+    got = threading.Event()
+
+    def on_lost(sender: Any, **kwargs: Any) -> None:
+        if kwargs["name"] == f"{name}:child":
+            got.set()
+
+    lock_lost.connect(on_lost, weak=False, dispatch_uid="child-lost")
+    held = lock(f"{name}:child", backend="locmem", ttl=0.3).acquire()
+    locks["locmem"].break_lock(f"{name}:child")  # its renewal is refused: lost
+    queue.put((got.wait(10), held.lost))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+# Forking a threaded process is the point: Celery's prefork pool does it.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_child_forked_while_a_receiver_runs_sends_its_own_signals(name: str) -> None:
+    """The parent's signal thread is busy at the fork; the child starts its own."""
+    import multiprocessing
+
+    finish = threading.Event()
+    started = threading.Event()
+
+    def slow(sender: Any, **kwargs: Any) -> None:
+        if kwargs["name"] == f"{name}:parent":
+            started.set()
+            finish.wait(10)
+
+    lock_lost.connect(slow, weak=False, dispatch_uid="parent-slow")
+    try:
+        parent = lock(f"{name}:parent", backend="locmem", ttl=0.3).acquire()
+        locks["locmem"].break_lock(f"{name}:parent")
+        assert started.wait(10)
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_child_gets_its_lock_lost, args=(queue, name))
+        child.start()
+        got, lost = queue.get(timeout=30)
+        child.join(30)
+    finally:
+        finish.set()
+        lock_lost.disconnect(dispatch_uid="parent-slow")
+    assert parent.lost and lost
+    assert got, "the child's lock_lost was never sent"
