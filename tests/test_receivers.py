@@ -33,6 +33,7 @@ from .models import Counter
 from .servers import RedisServer, free_port
 
 REDIS = "django_dlock.backends.redis.RedisBackend"
+LOCMEM = "django_dlock.backends.locmem.LocMemBackend"
 #: Each test its own aliases: a renewal thread's lag state belongs to its alias.
 _run = iter(range(10**6))
 
@@ -48,7 +49,7 @@ def two_redis() -> Iterator[tuple[str, str, RedisServer]]:
     # socket_timeout 20: a renewal sent to the stopped server does not come
     # back before its lease runs out, so the watchdog thread marks it lost.
     backends = {
-        "default": {"BACKEND": "django_dlock.backends.locmem.LocMemBackend"},
+        "default": {"BACKEND": LOCMEM},
         a: {"BACKEND": REDIS, "LOCATION": first.url, "OPTIONS": {"socket_timeout": 20}},
         b: {"BACKEND": REDIS, "LOCATION": second.url},
     }
@@ -345,3 +346,44 @@ def test_a_child_forked_while_a_receiver_runs_sends_its_own_signals(name: str) -
         lock_lost.disconnect(dispatch_uid="parent-slow")
     assert parent.lost and lost
     assert got, "the child's lock_lost was never sent"
+
+
+def test_a_watchdog_lagging_receiver_that_waits_for_a_held_lock_delays_no_renewal() -> None:
+    """A ``watchdog_lagging`` receiver that waits 3 s to acquire a lease this process holds.
+
+    Before: it ran on the renewal thread, which renewed nothing meanwhile, so
+    the lease (ttl 1.8) ran out and the receiver got it.
+    """
+    from django_dlock.signals import watchdog_lagging
+    from django_dlock.watchdog import LAG_PREFIX, get_watchdog
+
+    alias = f"recv-lag{next(_run)}"
+    seen: list[str] = []
+    done = threading.Event()
+
+    def waits(sender: Any, backend: str, **kwargs: Any) -> None:
+        if backend != alias:
+            return
+        try:
+            with lock("first", backend=alias, ttl=5, timeout=3):
+                seen.append("acquired")
+        except LockTimeout:
+            seen.append("timed out")
+        finally:
+            done.set()
+
+    backends = {"default": {"BACKEND": LOCMEM}, alias: {"BACKEND": LOCMEM}}
+    watchdog_lagging.connect(waits, weak=False, dispatch_uid="lag-waits")
+    try:
+        with override_settings(DLOCK_BACKENDS=backends):
+            free = threading.Event()
+            get_watchdog().renewer(alias).submit(lambda: free.wait(1.2))  # hold it up
+            first = lock("first", backend=alias, ttl=1.8).acquire()  # due 0.6, sent 1.2: late
+            assert done.wait(15), "no lag was reported"
+            assert seen == ["timed out"]  # first was renewed all along
+            first.ensure()
+            first.release()
+            for info in locks[alias].list(LAG_PREFIX):
+                locks[alias].break_lock(info.name)
+    finally:
+        watchdog_lagging.disconnect(dispatch_uid="lag-waits")
