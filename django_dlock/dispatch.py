@@ -49,6 +49,9 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Any
+
+from django.dispatch import Signal
 
 logger = logging.getLogger("django_dlock")
 
@@ -62,6 +65,13 @@ def mark_lease_thread() -> None:
 
 def on_lease_thread() -> bool:
     return getattr(_local, "lease_thread", False)
+
+
+def send_robust(signal: Signal, what: str, **kwargs: Any) -> None:
+    """``signal.send_robust(**kwargs)``, logging each receiver that raised."""
+    for receiver, result in signal.send_robust(**kwargs):
+        if isinstance(result, Exception):
+            logger.error("%s receiver %r raised %r", what, receiver, result)
 
 
 class _Lane:

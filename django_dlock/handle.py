@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from django.dispatch import Signal
 
 from ._validation import validate_name, validate_ttl
-from .dispatch import get_dispatcher
+from .dispatch import get_dispatcher, send_robust
 from .exceptions import BackendUnavailable, LockLost, LockNotOwned
 from .keys import acquiring_template
 from .signals import lock_acquired, lock_detached, lock_lost, lock_released
@@ -556,7 +556,7 @@ class HeldLock:
             self,
             "lock_lost",
             functools.partial(
-                _send_robust,
+                send_robust,
                 lock_lost,
                 "lock_lost",
                 sender=type(self.backend),
@@ -625,13 +625,6 @@ class HeldLock:
                 self._expiry_cell[0] = self._expires
         if self._renew_enabled:
             get_watchdog().schedule(self, ttl / 3)
-
-
-def _send_robust(signal: Signal, what: str, **kwargs: Any) -> None:
-    """``signal.send_robust(**kwargs)``, logging each receiver that raised."""
-    for receiver, result in signal.send_robust(**kwargs):
-        if isinstance(result, Exception):
-            logger.error("%s receiver %r raised %r", what, receiver, result)
 
 
 #: Releases whose caller was cancelled, kept referenced until they are done.

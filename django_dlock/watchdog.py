@@ -43,7 +43,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._validation import holder_metadata, new_owner
-from .dispatch import get_dispatcher, mark_lease_thread
+from .dispatch import get_dispatcher, mark_lease_thread, send_robust
 from .signals import watchdog_lagging
 
 if TYPE_CHECKING:
@@ -502,7 +502,9 @@ class Renewer:
             None,
             "watchdog_lagging",
             functools.partial(
-                _send_lagging,
+                send_robust,
+                watchdog_lagging,
+                "watchdog_lagging",
                 sender=type(backend),
                 backend=self.alias,
                 late=late,
@@ -554,12 +556,6 @@ def lag_notes(backend: BaseLockBackend) -> list[str]:
             f"{lag.get('ran_out')} ran out first (noted for {LAG_NOTE_TTL / 60:g} minutes)"
         )
     return notes
-
-
-def _send_lagging(**kwargs: Any) -> None:
-    for receiver, result in watchdog_lagging.send_robust(**kwargs):
-        if isinstance(result, Exception):
-            logger.error("watchdog_lagging receiver %r raised %r", receiver, result)
 
 
 WAITED = "its renewal could not be sent before the lease ran out (the watchdog fell behind)"
