@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from django.dispatch import Signal
 
 from ._validation import validate_name, validate_ttl
+from .dispatch import get_dispatcher, send_robust
 from .exceptions import BackendUnavailable, LockLost, LockNotOwned
 from .keys import acquiring_template
 from .signals import lock_acquired, lock_detached, lock_lost, lock_released
@@ -519,14 +520,25 @@ class HeldLock:
             self._forgotten.detach()
 
     def _send_ended(self, signal: Signal) -> None:
-        """``lock_released`` or ``lock_detached``: the lease is no longer held here."""
-        signal.send(
-            sender=type(self.backend),
-            backend=self.alias,
-            name=self.name,
-            token=self.token,
-            held=self,
-            held_for=time.monotonic() - self.acquired_at,
+        """``lock_released`` or ``lock_detached``: the lease is no longer held here.
+
+        Queued, not sent, on the renewal thread (a release after a rollback):
+        see ``dispatch.py``.
+        """
+        held_for = time.monotonic() - self.acquired_at
+        get_dispatcher().deliver(
+            self.alias,
+            self,
+            "lock_released" if signal is lock_released else "lock_detached",
+            functools.partial(
+                signal.send,
+                sender=type(self.backend),
+                backend=self.alias,
+                name=self.name,
+                token=self.token,
+                held=self,
+                held_for=held_for,
+            ),
         )
 
     def _send_lost(self) -> None:
@@ -537,17 +549,25 @@ class HeldLock:
             self.alias,
             self.lost_reason,
         )
-        for receiver, result in lock_lost.send_robust(
-            sender=type(self.backend),
-            backend=self.alias,
-            name=self.name,
-            token=self.token,
-            held=self,
-            reason=self.lost_reason,
-            held_for=time.monotonic() - self.acquired_at,
-        ):
-            if isinstance(result, Exception):
-                logger.error("lock_lost receiver %r raised %r", receiver, result)
+        # The state changed already; on the watchdog or a renewal thread the
+        # receivers run later, on the alias's signal thread (dispatch.py).
+        get_dispatcher().deliver(
+            self.alias,
+            self,
+            "lock_lost",
+            functools.partial(
+                send_robust,
+                lock_lost,
+                "lock_lost",
+                sender=type(self.backend),
+                backend=self.alias,
+                name=self.name,
+                token=self.token,
+                held=self,
+                reason=self.lost_reason,
+                held_for=time.monotonic() - self.acquired_at,
+            ),
+        )
 
     # --- the watchdog's side: only ``watchdog.py`` calls these -----------------------
 

@@ -12,8 +12,7 @@ also pass ``held`` (the :class:`~django_dlock.lock.HeldLock`).
   the grant.
 - ``lock_lost``: a holder found out its lease is gone (renewal refused or
   failed until the lease ran out, or ``ensure()`` saw it gone). Sent once per
-  handle, from the thread that noticed: often the watchdog thread. Also
-  ``reason`` and ``held_for``.
+  handle. Also ``reason`` and ``held_for``.
 - ``lock_detached``: its holder handed it over with ``detach()`` (the
   adopting process sends ``lock_acquired`` for it, with ``waited`` 0). Also
   ``held_for``.
@@ -49,10 +48,20 @@ less ``scope``.
 ``watchdog_lagging`` is sent once when a process's watchdog falls behind
 renewing the leases of one backend (renewals going out more than a sixth of
 their TTL late, or leases running out before their renewal could be sent),
-from its renewal thread, with ``sender`` = the backend class, ``backend``,
+with ``sender`` = the backend class, ``backend``,
 ``late`` (seconds), ``waiting`` (leases queued for renewal) and ``lost``
 (leases that ran out waiting so far). It is sent again only after a minute
 without a late renewal.
+
+Receivers never run on the watchdog thread or a renewal thread, where a slow
+one, one that raises or one that calls back into the package would hold up
+renewals. A signal raised there (``lock_lost`` found by a renewal,
+``watchdog_lagging``, ``lock_released`` of a release after a rollback) is
+sent from ``django-dlock-signals-<alias>``, a thread per backend alias, in
+the order raised; the handle's state (``lost``, ``ensure()`` raising) changed
+before. A signal sent from any other thread (``ensure()``, ``release()`` in
+your code) runs its receivers there and then, unless its handle still has a
+signal queued: then it goes behind it. See ``django_dlock/dispatch.py``.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ watchdog to release the forgotten lease when it would have run out
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -42,6 +43,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._validation import holder_metadata, new_owner
+from .dispatch import get_dispatcher, mark_lease_thread, send_robust
 from .signals import watchdog_lagging
 
 if TYPE_CHECKING:
@@ -221,6 +223,7 @@ class Watchdog:
         }
 
     def _run(self) -> None:
+        mark_lease_thread()
         while True:
             for held, due in self._next_due():
                 held.on_watchdog(due)
@@ -345,6 +348,7 @@ class Renewer:
             _quietly(held.renewal_lost, "its renewal did not come back before the lease ran out")
 
     def _run(self) -> None:
+        mark_lease_thread()
         while True:
             if not self._work and not self._queue:
                 # No database connection is kept between rounds: one left open
@@ -492,15 +496,22 @@ class Renewer:
             waiting,
             ran_out,
         )
-        for receiver, result in watchdog_lagging.send_robust(
-            sender=type(backend),
-            backend=self.alias,
-            late=late,
-            waiting=waiting,
-            lost=ran_out,
-        ):
-            if isinstance(result, Exception):
-                logger.error("watchdog_lagging receiver %r raised %r", receiver, result)
+        # Sent from the alias's signal thread (dispatch.py), not this one.
+        get_dispatcher().deliver(
+            self.alias,
+            None,
+            "watchdog_lagging",
+            functools.partial(
+                send_robust,
+                watchdog_lagging,
+                "watchdog_lagging",
+                sender=type(backend),
+                backend=self.alias,
+                late=late,
+                waiting=waiting,
+                lost=ran_out,
+            ),
+        )
         self._leave_note_later(held, late, ran_out)
 
     def _leave_note_later(self, held: HeldLock, late: float, ran_out: int) -> None:

@@ -19,7 +19,8 @@ made:
     hand-over with ``detach()`` (``"detached"``) or the loss of the lease
     (``"lost"``, status ERROR, and the reason as an event). It is not made
     the current span: the signals that start and end it may come from other
-    threads (the watchdog notices a loss), so it could not be unset safely.
+    threads (a loss a renewal found ends it on the backend's signal thread),
+    so it could not be unset safely.
 
 Attributes: ``dlock.backend`` (alias), ``dlock.name`` (the full lock name:
 span attributes are not label dimensions), ``dlock.pattern`` (its key
