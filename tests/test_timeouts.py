@@ -14,18 +14,26 @@ like any outage, instead of redis-py's raw ``RedisClusterException``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from django.conf import settings
+from django.db import connections
 
-from django_dlock import BackendUnavailable, LockTimeout
+from django_dlock import BackendUnavailable, LockTimeout, semaphore
+from django_dlock.backends.base import BaseLockBackend
+from django_dlock.backends.database import DatabaseBackend
 from django_dlock.backends.etcd import EtcdBackend
 from django_dlock.backends.redis import RedisBackend, RedlockBackend
 from tests.servers import (
@@ -289,3 +297,125 @@ def test_etcd_timeout_is_honoured_with_a_black_holed_endpoint(name: str, first: 
         backend.close()
         hole.close()
         server.cleanup()
+
+
+# --- the database backend: a transaction that holds a row lock and never ends --------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _in_thread(call: Callable[[], Any], bound: float) -> tuple[Any, threading.Thread]:
+    """``call()`` on a thread, waited for ``bound`` seconds.
+
+    Returns ((its result or exception, seconds) or None if still running, the thread).
+    """
+    out: list[Any] = []
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            out.append((call(), time.monotonic() - started))
+        except BaseException as e:  # reported by the caller
+            out.append((e, time.monotonic() - started))
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run, name="test-timeouts")
+    thread.start()
+    thread.join(bound)
+    return (out[0] if out else None), thread
+
+
+@pytest.mark.backends("db-postgresql", "db-mysql")
+@pytest.mark.with_default_db
+def test_database_acquire_honours_its_timeout_past_a_row_lock_held_open(
+    backend: BaseLockBackend, name: str
+) -> None:
+    """A transaction that locked the lock's row and sits open (its client paused) holds
+    waiters no longer than their timeout, plus ``sql.LOCK_WAIT``.
+
+    Before: the acquire statement waited for the row lock as long as the
+    transaction stayed open (PostgreSQL: forever; MariaDB: 50 s).
+    """
+    assert isinstance(backend, DatabaseBackend)
+    backend.acquire(name, timeout=0).release()  # the row exists
+    other = connections.create_connection(backend.database)
+    try:
+        other.set_autocommit(False)
+        with other.cursor() as cursor:
+            cursor.execute(
+                "SELECT fence FROM django_dlock_lease WHERE digest = %s FOR UPDATE",
+                [backend._key(name)],
+            )
+        result, thread = _in_thread(lambda: backend.acquire(name, timeout=1), 1 + SLACK + 5)
+        other.rollback()  # whatever happened, let a blocked waiter go
+        thread.join(30)
+        assert result is not None, "acquire(timeout=1) still blocked after 8 s"
+        error, elapsed = result
+        assert isinstance(error, LockTimeout), error
+        assert elapsed < 1 + SLACK, f"LockTimeout after {elapsed:.2f}s of a 1s timeout"
+    finally:
+        other.close()
+    backend.acquire(name, timeout=5).release()  # free again once the transaction ended
+
+
+@pytest.mark.multiprocess
+@pytest.mark.backends("db-postgresql", "db-mysql")
+@pytest.mark.with_default_db
+def test_database_semaphore_holder_paused_inside_its_transaction(
+    backend_alias: str, backend: BaseLockBackend, name: str
+) -> None:
+    """A process SIGSTOPped inside the semaphore's own transaction, its counter row locked.
+
+    Waiters honour their timeout (each statement waits for the row at most
+    ``sql.LOCK_WAIT``); on PostgreSQL the server also ends the paused
+    transaction once it has been idle ``sql.IDLE_IN_TRANSACTION`` (2 s), so a
+    waiter with a longer timeout gets the semaphore. MariaDB keeps the
+    paused transaction: waiters time out until the process resumes or dies.
+    Before: every waiter blocked for as long as the process stayed stopped.
+    """
+    assert isinstance(backend, DatabaseBackend)
+    aliases = {"default", backend.database}
+    config = {
+        "databases": {a: dict(connections[a].settings_dict) for a in aliases},
+        "backend": settings.DLOCK_BACKENDS[backend_alias],
+    }
+    worker = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "paused_slot_worker.py"), name],
+        env={
+            **os.environ,
+            "DLOCK_PAUSED_CONFIG": json.dumps(config, default=str),
+            "PYTHONPATH": str(ROOT),
+        },
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert worker.stdout is not None
+    try:
+        assert worker.stdout.readline().strip() == "paused"
+        wait_for(
+            lambda: Path(f"/proc/{worker.pid}/stat").read_text().split()[2] == "T",
+            10,
+            "the worker to stop itself",
+        )
+        postgresql = connections[backend.database].vendor == "postgresql"
+        timeout = 6 if postgresql else 2
+
+        def acquire() -> None:
+            with semaphore(name, limit=1, backend=backend_alias, timeout=timeout):
+                pass
+
+        result, thread = _in_thread(acquire, timeout + SLACK + 5)
+        if result is None:
+            worker.kill()  # its connection closes, its transaction rolls back
+            thread.join(30)
+            pytest.fail(f"semaphore(timeout={timeout}) still blocked after {timeout + 7}s")
+        error, elapsed = result
+        assert elapsed < timeout + SLACK, f"{error!r} after {elapsed:.2f}s of {timeout}s"
+        if postgresql:
+            assert error is None, f"not granted once the paused transaction was ended: {error!r}"
+        else:
+            assert isinstance(error, LockTimeout), error
+    finally:
+        worker.kill()
+        worker.wait(20)
