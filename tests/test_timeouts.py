@@ -13,6 +13,7 @@ like any outage, instead of redis-py's raw ``RedisClusterException``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -151,6 +152,36 @@ def test_redlock_timeout_is_honoured_with_a_master_that_never_answers(
                 f"LockTimeout after {elapsed:.2f}s of a {timeout}s timeout"
             )
         holder.release()
+
+
+def test_redlock_async_acquire_honours_its_timeout_with_a_stopped_master(
+    masters: list[RedisServer], name: str
+) -> None:
+    """The async path (tries on the backend's threads, waits on the loop) alike."""
+    with _redlock(masters, "sigstop", 0) as backend:
+        holder = backend.acquire(name, ttl=30, renew=False, timeout=SOCKET_TIMEOUT)
+
+        async def acquire(timeout: float) -> tuple[bool, float]:
+            started = time.monotonic()
+            try:
+                held = await backend.aacquire(name, timeout=timeout, ttl=30, renew=False)
+            except LockTimeout:
+                return False, time.monotonic() - started
+            elapsed = time.monotonic() - started
+            await held.arelease()
+            return True, elapsed
+
+        granted, elapsed = asyncio.run(acquire(1))
+        assert not granted
+        assert elapsed < 1 + SLACK, f"LockTimeout after {elapsed:.2f}s of a 1s timeout"
+        freed = threading.Timer(1.0, holder.release)
+        freed.start()
+        try:
+            granted, elapsed = asyncio.run(acquire(3))
+        finally:
+            freed.join(10)
+        assert granted, f"LockTimeout after {elapsed:.2f}s, though the lock was free from 1 s"
+        assert elapsed < 3 + SLACK, f"granted after {elapsed:.2f}s of a 3s timeout"
 
 
 def test_redlock_timeout_is_honoured_with_no_majority(
