@@ -195,24 +195,37 @@ class DatabaseSlots(BaseLockBackend):
             sql = self._slot_sql(conn)
             if not transaction:
                 return fn(sql, cursor)
-            if sql.isolation:
-                cursor.execute(sql.isolation)
-            cursor.execute(sql.begin)
+            # A holder paused inside this transaction would keep the counter
+            # row locked for as long as it is paused: the server ends it once
+            # it has been idle IDLE_IN_TRANSACTION. PostgreSQL: for this
+            # transaction only. MariaDB: for the session, restored after.
+            mariadb = sql.vendor == "mysql" and getattr(conn, "mysql_is_mariadb", False)
+            if mariadb:
+                cursor.execute(
+                    "SET @dlock_idle = @@SESSION.idle_transaction_timeout,"
+                    f" SESSION idle_transaction_timeout = {max(1, round(IDLE_IN_TRANSACTION))}"
+                )
             try:
-                if sql.vendor == "postgresql":
-                    # A holder paused inside this transaction would keep the
-                    # counter row locked for as long as it is paused.
-                    ms = max(1, round(IDLE_IN_TRANSACTION * 1000))
-                    cursor.execute(f"SET LOCAL idle_in_transaction_session_timeout = '{ms}ms'")
-                result = fn(sql, cursor)
-                cursor.execute("COMMIT")
-            except BaseException:
-                # A COMMIT that failed leaves the transaction open: the next
-                # BEGIN would fail with "cannot start a transaction within a
-                # transaction".
-                with contextlib.suppress(DatabaseError):
-                    cursor.execute("ROLLBACK")
-                raise
+                if sql.isolation:
+                    cursor.execute(sql.isolation)
+                cursor.execute(sql.begin)
+                try:
+                    if sql.vendor == "postgresql":
+                        ms = max(1, round(IDLE_IN_TRANSACTION * 1000))
+                        cursor.execute(f"SET LOCAL idle_in_transaction_session_timeout = '{ms}ms'")
+                    result = fn(sql, cursor)
+                    cursor.execute("COMMIT")
+                except BaseException:
+                    # A COMMIT that failed leaves the transaction open: the next
+                    # BEGIN would fail with "cannot start a transaction within a
+                    # transaction".
+                    with contextlib.suppress(DatabaseError):
+                        cursor.execute("ROLLBACK")
+                    raise
+            finally:
+                if mariadb:
+                    with contextlib.suppress(DatabaseError):
+                        cursor.execute("SET SESSION idle_transaction_timeout = @dlock_idle")
             return result
 
         if connection.vendor != "sqlite" and refuse_busy:
