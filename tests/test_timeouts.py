@@ -261,6 +261,36 @@ def test_cluster_down_raises_backend_unavailable(
         backend.close()
 
 
+@pytest.mark.multiprocess
+def test_cluster_down_at_a_forked_childs_first_call(cluster: list[RedisServer], name: str) -> None:
+    """A child forked from a connected parent (a Celery prefork child) makes its
+    client anew at its first call: during an outage, ``BackendUnavailable``."""
+    backend = _cluster_backend(cluster)
+    try:
+        backend.acquire(name, timeout=0).release()
+        _stop(cluster)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            outcome = b"?"
+            try:
+                backend.acquire(name, timeout=0)
+                outcome = b"granted while the cluster was down?"
+            except BackendUnavailable:
+                outcome = b"ok"
+            except BaseException as e:
+                outcome = repr(e).encode()[:500]
+            finally:
+                os.write(write_end, outcome)
+                os._exit(0)
+        os.close(write_end)
+        os.waitpid(pid, 0)
+        with os.fdopen(read_end, "rb") as pipe:
+            assert pipe.read() == b"ok"
+    finally:
+        backend.close()
+
+
 def test_cluster_down_at_the_first_call_is_ridden_out(
     cluster: list[RedisServer], name: str
 ) -> None:
