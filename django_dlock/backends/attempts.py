@@ -140,6 +140,11 @@ class Attempt:
         self.stopped = False
         #: The event a wait under way blocks on, if it can be set to end it early.
         self.waking: threading.Event | None = None
+        #: When the caller's timeout runs out (``time.monotonic()``; None: no
+        #: timeout), set when the attempt runs. A backend whose one try may
+        #: wait on several servers (Redlock) waits no longer than this, plus
+        #: one round trip.
+        self.deadline: float | None = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} on {self.alias!r}>"
@@ -215,6 +220,7 @@ class Attempt:
 
     def run(self, timeout: float | None, deadline: float | None) -> HeldLock:
         """Acquire: one try, then the loop on the sync primitives if it was refused."""
+        self.deadline = deadline
         sent = time.monotonic()
         try:
             result = self.try_acquire()
@@ -240,6 +246,7 @@ class Attempt:
 
     async def arun(self, timeout: float | None, deadline: float | None) -> HeldLock:
         """Acquire on the awaitable primitives (``native_async`` backends)."""
+        self.deadline = deadline
         steps = self._steps(timeout, deadline, refused=False)
         primitives: dict[str, Callable[..., Awaitable[Any]]] = {
             "acquire": self.atry_acquire,
@@ -277,6 +284,7 @@ class Attempt:
         cancelled is finished first, so that the cleanup (release what it
         got, leave the queue) comes after it.
         """
+        self.deadline = deadline
         offload = self.backend.offload
         steps = self._steps(timeout, deadline, refused=False)
         work: tuple[str, Callable[[], tuple[bool, Any]]] = (

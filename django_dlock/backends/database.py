@@ -74,7 +74,7 @@ from .._validation import load_holder, micros_to_datetime
 from ..exceptions import BackendUnavailable, LockConfigurationError, LockInTransaction
 from .base import BaseLockBackend, LockInfo
 from .database_slots import DatabaseSlots
-from .sql import BINARY, SERVER_CLOCK, Busy, add_clock, micros
+from .sql import BINARY, SERVER_CLOCK, Busy, add_clock, bounded, lock_not_available, micros
 from .types import extend_each
 
 T = TypeVar("T")
@@ -474,10 +474,12 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
             if connection.vendor == "sqlite":
                 add_clock(connection)  # opens the file: inside, so its errors are ours
             with connection.cursor() as cursor:
-                return fn(connection, statements, cursor)
+                return fn(connection, statements, bounded(connection, cursor))
         except (OperationalError, InterfaceError) as e:
             if connection.vendor == "sqlite" and "locked" in str(e):
                 raise Busy from e
+            if connection.vendor == "postgresql" and lock_not_available(e):
+                raise Busy from e  # a row lock held past LOCK_WAIT (sql.bounded)
             if connection.vendor == "mysql" and e.args and e.args[0] in _MYSQL_RETRYABLE:
                 raise Busy from e
             self._discard(connection)

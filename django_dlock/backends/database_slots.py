@@ -32,7 +32,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -40,7 +40,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from .._validation import load_holder, micros_to_datetime
 from ..exceptions import LockInTransaction
 from .base import BaseLockBackend, LockInfo, ParkedTask, SlotEntry
-from .sql import BINARY, SERVER_CLOCK, Busy, micros
+from .sql import BINARY, IDLE_IN_TRANSACTION, SERVER_CLOCK, Busy, micros
 
 T = TypeVar("T")
 
@@ -176,29 +176,63 @@ class DatabaseSlots(BaseLockBackend):
     def _counter_key(self, name: str) -> str:
         return hashlib.sha256(f"slots\0{self.key_prefix}\0{name}".encode()).hexdigest()
 
-    def _slot_call(self, name: str, fn: Callable[[_SQL, Any], T], transaction: bool = False) -> T:
-        """``fn(sql, cursor)`` on the slot connection, in a transaction of its own if asked."""
+    def _slot_call(
+        self,
+        name: str,
+        fn: Callable[[_SQL, Any], T],
+        transaction: bool = False,
+        refuse_busy: bool = False,
+    ) -> T:
+        """``fn(sql, cursor)`` on the slot connection, in a transaction of its own if asked.
+
+        ``refuse_busy``: on PostgreSQL and MySQL, a statement that waited for a
+        row lock past ``sql.LOCK_WAIT`` makes this return None (an acquisition:
+        refused, and tried again by its loop until its timeout), not retried.
+        """
         connection = self._slot_connection()
 
         def run(conn: BaseDatabaseWrapper, statements: Any, cursor: Any) -> T:
             sql = self._slot_sql(conn)
             if not transaction:
                 return fn(sql, cursor)
-            if sql.isolation:
-                cursor.execute(sql.isolation)
-            cursor.execute(sql.begin)
+            # A holder paused inside this transaction would keep the counter
+            # row locked for as long as it is paused: the server ends it once
+            # it has been idle IDLE_IN_TRANSACTION. PostgreSQL: for this
+            # transaction only. MariaDB: for the session, restored after.
+            mariadb = sql.vendor == "mysql" and getattr(conn, "mysql_is_mariadb", False)
+            if mariadb:
+                cursor.execute(
+                    "SET @dlock_idle = @@SESSION.idle_transaction_timeout,"
+                    f" SESSION idle_transaction_timeout = {max(1, round(IDLE_IN_TRANSACTION))}"
+                )
             try:
-                result = fn(sql, cursor)
-                cursor.execute("COMMIT")
-            except BaseException:
-                # A COMMIT that failed leaves the transaction open: the next
-                # BEGIN would fail with "cannot start a transaction within a
-                # transaction".
-                with contextlib.suppress(DatabaseError):
-                    cursor.execute("ROLLBACK")
-                raise
+                if sql.isolation:
+                    cursor.execute(sql.isolation)
+                cursor.execute(sql.begin)
+                try:
+                    if sql.vendor == "postgresql":
+                        ms = max(1, round(IDLE_IN_TRANSACTION * 1000))
+                        cursor.execute(f"SET LOCAL idle_in_transaction_session_timeout = '{ms}ms'")
+                    result = fn(sql, cursor)
+                    cursor.execute("COMMIT")
+                except BaseException:
+                    # A COMMIT that failed leaves the transaction open: the next
+                    # BEGIN would fail with "cannot start a transaction within a
+                    # transaction".
+                    with contextlib.suppress(DatabaseError):
+                        cursor.execute("ROLLBACK")
+                    raise
+            finally:
+                if mariadb:
+                    with contextlib.suppress(DatabaseError):
+                        cursor.execute("SET SESSION idle_transaction_timeout = @dlock_idle")
             return result
 
+        if connection.vendor != "sqlite" and refuse_busy:
+            try:
+                return self._run(name, run, connection=connection)
+            except Busy:
+                return cast(T, None)  # refuse_busy: only for a T that may be None
         if connection.vendor != "sqlite" or connection is connections[self.database]:
             return self._retry_busy(name, run, connection=connection)
         # SQLite inside the caller's atomic(): once that transaction has read
@@ -250,7 +284,7 @@ class DatabaseSlots(BaseLockBackend):
             cursor.execute(sql.insert, [*values, token, micros(ttl), holder])
             return token
 
-        return self._slot_call(name, run, transaction=True)
+        return self._slot_call(name, run, transaction=True, refuse_busy=True)
 
     def _slot_rowcount(self, name: str, statement: str, params: list[Any]) -> int:
         def run(sql: _SQL, cursor: Any) -> int:

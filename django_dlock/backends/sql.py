@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -60,3 +61,75 @@ def add_clock(connection: BaseDatabaseWrapper) -> None:
 
 class Busy(Exception):
     """The database refused the statement for contention; the attempt may be repeated."""
+
+
+#: How long one statement of the backend waits for a row lock that another
+#: transaction holds, seconds (PostgreSQL ``lock_timeout``; MariaDB's
+#: ``innodb_lock_wait_timeout`` counts whole seconds, so 1 there). A holder
+#: paused (SIGSTOP) or stuck inside a transaction that locked a row must not
+#: hold a waiter past its timeout, nor a renewal forever: the statement fails
+#: as ``Busy`` instead (an attempt then counts as refused and is tried again,
+#: a release or renewal is retried, BUSY_RETRIES times).
+LOCK_WAIT = 0.5
+#: How long the backend's own transactions (a semaphore's) may sit idle on
+#: PostgreSQL before the server ends them, seconds: a holder paused between
+#: their statements would otherwise keep the counter row locked for as long
+#: as it is paused.
+IDLE_IN_TRANSACTION = 2.0
+
+_DML = ("SELECT", "INSERT", "UPDATE", "DELETE", "WITH")
+
+
+class BoundedCursor:
+    """A cursor whose statements wait for row locks at most LOCK_WAIT (issue 28, item 4).
+
+    PostgreSQL: ``SET LOCAL lock_timeout`` sent with the statement, in one
+    round trip; a query of several statements is one transaction, so the
+    setting ends with it. Only on a connection in autocommit outside
+    ``atomic()`` (the backend's own transaction, if any, is then the only one
+    the setting can last for) and with client-side binding (Django's
+    default; ``server_side_binding`` sends one statement a query). MariaDB:
+    ``SET STATEMENT innodb_lock_wait_timeout=1 FOR`` the statement. Other
+    vendors, and MySQL (no per-statement form), run the statement as is.
+    """
+
+    def __init__(self, cursor: Any, prefix: str, several: bool) -> None:
+        self._cursor = cursor
+        self._prefix = prefix
+        self._several = several
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._cursor, attr)
+
+    def execute(self, sql: str, params: Any = None) -> Any:
+        if not sql.lstrip()[:6].upper().startswith(_DML):
+            return self._cursor.execute(sql, params)
+        result = self._cursor.execute(self._prefix + sql, params)
+        if self._several:
+            self._cursor.nextset()  # past the SET's empty result, to the statement's
+        return result
+
+
+def bounded(connection: BaseDatabaseWrapper, cursor: Any) -> Any:
+    """``cursor``, or a :class:`BoundedCursor` over it where the vendor allows."""
+    vendor = connection.vendor
+    if vendor == "postgresql":
+        options = connection.settings_dict.get("OPTIONS") or {}
+        if options.get("server_side_binding") or connection.in_atomic_block:
+            return cursor
+        if not connection.get_autocommit():
+            return cursor
+        ms = max(1, round(LOCK_WAIT * 1000))
+        return BoundedCursor(cursor, f"SET LOCAL lock_timeout = '{ms}ms'; ", True)
+    if vendor == "mysql" and getattr(connection, "mysql_is_mariadb", False):
+        seconds = max(1, round(LOCK_WAIT))
+        return BoundedCursor(
+            cursor, f"SET STATEMENT innodb_lock_wait_timeout={seconds} FOR ", False
+        )
+    return cursor
+
+
+def lock_not_available(error: BaseException) -> bool:
+    """PostgreSQL's ``lock_timeout`` ran out (SQLSTATE 55P03)."""
+    cause = error.__cause__
+    return getattr(cause, "sqlstate", None) == "55P03"

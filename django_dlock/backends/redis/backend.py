@@ -22,13 +22,20 @@ from redis import Redis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from ...exceptions import BackendUnavailable, LockConfigurationError
 from ..base import Attempt, Grant, LockInfo
 from .aio import AsyncNode
-from .connections import Node, as_bytes, redacted, server_version, text, transient
+from .connections import (
+    CLIENT_ERRORS,
+    Node,
+    as_bytes,
+    redacted,
+    server_version,
+    text,
+    transient,
+)
 from .listing import get_lease, iter_node
 from .renewals import RedisRenewals
 from .scripts import ABANDON, ACQUIRE, EXTEND, KEEP, RELEASE, WAITER_LEASE_MS, Keys, lock_key
@@ -65,6 +72,9 @@ class RedisAttempt(Attempt):
     waiter: Waiter | None = None
     #: The server's clock when a try first queued it (async, not native).
     first_queued_us: int | None = None
+    #: Redlock: the masters (indexes) that answered the latest try; a wait
+    #: blocks on one of them, not on one that may not answer at all.
+    answered: tuple[int, ...] | None = None
 
     def try_acquire(self) -> int | Grant | None:
         return self.backend._try_acquire(self)
@@ -270,7 +280,7 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
                 if self._nodes is None:
                     self._nodes = [
                         self.node_class(
-                            self._client_for(location),
+                            self._connect(location),
                             redacted(location),
                             dedicated=not location.startswith("django-redis:"),
                             retries=self.retries,
@@ -280,6 +290,22 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
                 nodes = self._nodes
         return nodes
 
+    def _connect(self, location: str) -> Any:
+        """A client for ``location``; a Cluster's reads its slots from the servers now.
+
+        A cluster that cannot be reached then (the first call during an
+        outage, as every forked worker's first call) is ``BackendUnavailable``
+        like any outage, and the next call tries again.
+        """
+        try:
+            return self._client_for(location)
+        except CLIENT_ERRORS as e:
+            raise BackendUnavailable(
+                f"Redis at {redacted(location)} failed on backend {self.alias!r}: {e}",
+                backend=self.alias,
+                transient=transient(e),
+            ) from e
+
     def close(self) -> None:
         with self._mutex:
             nodes, self._nodes = self._nodes, None
@@ -288,7 +314,7 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
             if not node.label.startswith("django-redis:"):
                 node.client.close()
 
-    def _unavailable(self, name: str, error: Exception, node: Node) -> BackendUnavailable:
+    def _unavailable(self, name: str, error: BaseException, node: Node) -> BackendUnavailable:
         what = f" for lock {name!r}" if name else ""
         return BackendUnavailable(
             f"Redis at {node.label} failed{what} on backend {self.alias!r}: {error}",
@@ -329,7 +355,7 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
         node = self.nodes[0]
         try:
             return call(node)
-        except RedisError as e:
+        except CLIENT_ERRORS as e:
             raise self._unavailable(name, e, node) from e
 
     def _run_bool(self, name: str, call: Callable[[Node], Any]) -> bool:
@@ -470,7 +496,7 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
         node = self.nodes[0]
         try:
             yield from iter_node(node, self._tags, prefix, self.alias)
-        except RedisError as e:
+        except CLIENT_ERRORS as e:
             raise self._unavailable(prefix, e, node) from e
 
     def _get_call(self, name: str) -> Callable[[Node], dict[str, LockInfo]]:
@@ -494,14 +520,15 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
         if plan is None:
             return
         key, timeout = plan
-        for node in self.nodes:
-            if node.stuck():
+        answered = attempt.answered
+        for i, node in enumerate(self.nodes):
+            if node.stuck() or (answered is not None and i not in answered):
                 continue  # Redlock: a master that does not answer would hold us up
             try:
                 # On the direct path too: the woken waiter's next step is the
                 # critical path of a hand-over.
                 popped = node.command("BLPOP", key, round(timeout, 3))
-            except RedisError:
+            except CLIENT_ERRORS:
                 continue  # Redlock: that master is down; block on the next one
             self._woken(attempt, popped)
             return
@@ -541,7 +568,7 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
         """Await ``call(async node)``; a RedisError becomes BackendUnavailable."""
         try:
             return await call(self._anode)
-        except RedisError as e:
+        except CLIENT_ERRORS as e:
             raise self._unavailable(name, e, self.nodes[0]) from e
 
     async def _atry_acquire(self, attempt: RedisAttempt) -> int | Grant | None:
@@ -626,7 +653,7 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
                 waiter = attempt.waiter = self._notifier().register(attempt.name, attempt.owner)
         try:
             await self._notifier().wait(waiter, timeout)
-        except RedisError as e:  # subscribing failed
+        except CLIENT_ERRORS as e:  # subscribing failed
             raise self._unavailable(attempt.name, e, self.nodes[0]) from e
         signal, waiter.signal = waiter.signal, None
         if signal is not None and attempt.queued_at is not None:

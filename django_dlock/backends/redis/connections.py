@@ -18,7 +18,10 @@ from redis.exceptions import (
     ClusterDownError,
     NoPermissionError,
     NoScriptError,
+    RedisClusterException,
+    RedisError,
     ResponseError,
+    SlotNotCoveredError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -61,14 +64,32 @@ _TRANSIENT = (
 )
 
 
-def transient(error: Exception) -> bool:
+#: What a redis-py client raises for a call that failed. A Cluster client's
+#: RedisClusterException is not a RedisError: it is what a client whose
+#: cluster cannot be reached raises (its first call, and any call once every
+#: node it knew of is down), and it is a lock service that is down like any
+#: other (``BackendUnavailable``).
+CLIENT_ERRORS = (RedisError, RedisClusterException)
+
+
+def transient(error: BaseException) -> bool:
     """Whether waiting may cure ``error`` (``BackendUnavailable.transient``).
 
     NOAUTH, WRONGPASS, NOPERM: only new settings (or ACLs) fix these. Only a
     server that did not answer, or is loading or failing over, is worth
     waiting for; a script error (a TTL out of range, a key of the wrong
-    type) or a refused login fails every time.
+    type) or a refused login fails every time. A Cluster client that could
+    reach no node says why in the error it raises from (a refused
+    connection: transient; cluster mode off on that server: not); slots not
+    all covered is a cluster forming or failing over.
     """
+    if isinstance(error, SlotNotCoveredError):
+        return True
+    if isinstance(error, RedisClusterException):
+        cause = error.__cause__
+        if cause is not None:
+            return transient(cause)
+        return str(error).startswith("All slots are not covered")
     return isinstance(error, _TRANSIENT) and not isinstance(error, _REFUSED_WHO)
 
 

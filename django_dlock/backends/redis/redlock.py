@@ -34,6 +34,9 @@ from .listing import list_node
 STUCK_AFTER = 0.5
 #: Threads per master for calling the masters at once.
 POOL_PER_MASTER = 4
+#: How long an acquisition's try waits for the masters once its timeout has
+#: run out (or with ``timeout=0``): one round trip, at most (seconds).
+ROUND_TRIP = STUCK_AFTER
 
 
 class Master(Node):
@@ -198,7 +201,11 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
     # --- running a call on every master -----------------------------------------------
 
     def _on_each(
-        self, name: str, call: Any, decided: Callable[[list[Any]], bool] | None = None
+        self,
+        name: str,
+        call: Any,
+        decided: Callable[[list[Any]], bool] | None = None,
+        deadline: float | None = None,
     ) -> list[Any]:
         """Run ``call(master)`` on every master; an exception is recorded as the result.
 
@@ -209,7 +216,8 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
         answers costs one timeout, not one per master per call. A master with
         a call still out past such a deadline is not sent another until it
         answers (it counts as unavailable) once it has answered nothing for
-        STUCK_AFTER seconds, so it cannot tie up the pool.
+        STUCK_AFTER seconds, so it cannot tie up the pool. ``deadline`` (a
+        ``time.monotonic()``) ends the wait sooner: an acquisition's timeout.
         """
         nodes = self.nodes
         results: list[Any] = [_PENDING] * len(nodes)
@@ -221,7 +229,8 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
             assert isinstance(node, Master)
             futures[node.submit(name, call)] = i
         pending = set(futures)
-        deadline = time.monotonic() + self.socket_timeout
+        latest = time.monotonic() + self.socket_timeout
+        deadline = latest if deadline is None else min(deadline, latest)
         while pending and not (decided is not None and decided(results)):
             done, pending = wait(
                 pending, timeout=max(deadline - time.monotonic(), 0), return_when=FIRST_COMPLETED
@@ -265,7 +274,13 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
         name, owner, ttl = attempt.name, attempt.owner, attempt.ttl
         call = self._acquire_call(attempt)
         sent = time.monotonic()
-        results = self._on_each(name, call, self._settled(_granted))
+        # Within the caller's timeout, plus one round trip: a master that
+        # accepts and never answers (a stopped process, a black hole) must
+        # not hold an acquisition past it (issue 28, item 4).
+        deadline = None
+        if attempt.deadline is not None:
+            deadline = max(attempt.deadline, sent + ROUND_TRIP)
+        results = self._on_each(name, call, self._settled(_granted), deadline)
         errors = [r for r in results if isinstance(r, BackendUnavailable)]
         outcomes = [self._outcome(r, attempt, sent) for r in results if _answer(r)]
         granted = [o for o in outcomes if o is not None]
@@ -278,7 +293,18 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
             # earliest expiry counted from the latest.
             return Grant(max(tokens), sorted(expiries)[-self.quorum], lease)
         # Failed: undo everywhere (compare-and-delete is safe where we did not get it).
-        self._on_each(name, self._release_call(name, owner))
+        # The undo is sent to every master, and waited for only from those
+        # that answered the attempt: a master that did not (stopped, black-
+        # holed) gets it after the attempt, in order (Master.submit), whenever
+        # it answers, and the caller does not wait for it.
+        answered = [i for i, r in enumerate(results) if _answer(r)]
+        attempt.answered = tuple(answered)
+        self._on_each(
+            name,
+            self._release_call(name, owner),
+            lambda undone: all(undone[i] is not _PENDING for i in answered),
+            deadline,
+        )
         if len(errors) > len(results) - self.quorum:
             raise errors[0]
         refusals = [

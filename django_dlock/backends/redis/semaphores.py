@@ -14,12 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import RedisError
-
 from ..._validation import load_holders
+from ...exceptions import BackendUnavailable
 from ..base import BaseLockBackend, Grant, LockInfo, ParkedTask, SlotEntry, micros_to_datetime
 from ..slots import SlotAttempt
-from .connections import Node, text
+from .connections import CLIENT_ERRORS, Node, text
 from .listing import lex_range
 from .slot_scripts import (
     PARK,
@@ -154,7 +153,7 @@ class RedisSemaphores(BaseLockBackend):
         started = time.monotonic()
         try:
             self.nodes[0].command("BLPOP", wake, round(timeout, 3))
-        except RedisError:
+        except (*CLIENT_ERRORS, BackendUnavailable):
             # The next try reports the outage; until then, no busy loop.
             time.sleep(max(0.0, timeout - (time.monotonic() - started)))
 
