@@ -1,13 +1,11 @@
 """Holding a lock until the transaction ends (``lock(..., release_on_commit=True)``, views).
 
-Which transaction: the one the protected writes are in. For a lock on the
-database backend, that is its own database's when a transaction is open
-there; otherwise the database ``using`` names, or else the one database
-whose connection is inside ``atomic()`` in this thread. Several open and
+Which transaction: the one the protected writes are in: the database
+``using`` names, or else the one database whose connection is inside
+``atomic()`` in this thread, whatever the lock's backend. Several open and
 nothing to choose between them raises :class:`AmbiguousTransaction`, never a
 silent release before the commit. Guarded views hold their lock until every
-transaction open around them has ended (:func:`release_at_transactions_end`).
-"""
+transaction open around them has ended (:func:`release_at_transactions_end`)."""
 
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db.transaction import TransactionManagementError
 
+from .commit_hooks import on_commit_first
 from .exceptions import LockLost
 from .handle import HeldLock
 from .watchdog import get_watchdog
@@ -134,12 +133,16 @@ def open_transactions() -> list[str]:
     return sorted(c.alias for c in connections.all(initialized_only=True) if _in_transaction(c))
 
 
-def _lock_database(backend: BaseLockBackend) -> str | None:
-    """The DATABASES alias the database backend keeps its leases in; None for other backends."""
-    if not backend.uses_django_connections:
-        return None
-    database = getattr(backend, "database", None)
-    return database if isinstance(database, str) else None
+def _user_transactions() -> list[str]:
+    """The aliases whose connection is inside an ``atomic()`` of the code's own.
+
+    Unlike :func:`open_transactions`, an ``atomic()`` inside a TestCase's
+    counts: the choice between databases must come out the same in a test
+    as in production, or a test passes what production refuses.
+    """
+    from django.db import connections
+
+    return sorted(c.alias for c in connections.all(initialized_only=True) if _in_atomic(c))
 
 
 def transaction_to_outlive(
@@ -149,29 +152,35 @@ def transaction_to_outlive(
 
     ``using`` names the database the protected writes go to; when a
     transaction is open elsewhere but not there, that is a mistake, and
-    :class:`AmbiguousTransaction` says so. Without ``using``: the lock
-    database's of the database backend, if one is open there, else the only
-    one open; several open raise :class:`AmbiguousTransaction`.
+    :class:`AmbiguousTransaction` says so. Without ``using``: the one
+    database inside ``atomic()``, whatever the lock's backend (a database
+    backend's own database included: the writes may go to the other one,
+    which may commit later); several raise :class:`AmbiguousTransaction`.
+    Inside a TestCase, whose transaction never commits, the choice is made
+    the same way, then None: the lock is released with its block.
     """
-    open_ = open_transactions()
+    from django.db import transaction
+
+    open_ = _user_transactions()
     what = f"release_on_commit of lock {name!r}" if name else "release_on_commit"
     if using is not None:
-        if using in open_ or not open_:
-            return using if using in open_ else None
-        raise AmbiguousTransaction(
-            f"{what}: using={using!r}, but no transaction is open on {using!r}, while one is "
-            f"on {_names(open_)}. Pass the alias of the transaction to hold the lock to, "
-            f"using={open_[0]!r} say, or leave the transaction before releasing."
-        )
-    database = _lock_database(backend)
-    if database is not None and database in open_:
-        return database
-    if len(open_) > 1:
+        if open_ and using not in open_:
+            raise AmbiguousTransaction(
+                f"{what}: using={using!r}, but no transaction is open on {using!r}, while one "
+                f"is on {_names(open_)}. Pass the alias of the transaction to hold the lock "
+                f"to, using={open_[0]!r} say, or leave the transaction before releasing."
+            )
+        chosen = using if using in open_ else None
+    elif len(open_) > 1:
         raise AmbiguousTransaction(
             f"{what}: transactions are open on {_names(open_)}; pass using= to name the one "
-            "the lock must be held to the end of."
+            "the lock must be held to the end of (the one the protected writes go to)."
         )
-    return open_[0] if open_ else None
+    else:
+        chosen = open_[0] if open_ else None
+    if chosen is None or not _in_transaction(transaction.get_connection(chosen)):
+        return None
+    return chosen
 
 
 def _names(aliases: Sequence[str]) -> str:
@@ -207,7 +216,8 @@ def release_at_transactions_end(
         _confirm(held)
     countdown = _Countdown(held, len(open_))
     for alias in open_:
-        transaction.on_commit(_ReleaseAtCommit(countdown), using=alias)
+        # First and robust: a failing hook of the application must not skip it.
+        on_commit_first(transaction.get_connection(alias), _ReleaseAtCommit(countdown))
     return True
 
 
