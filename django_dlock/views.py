@@ -31,9 +31,11 @@ from contextvars import ContextVar
 from typing import Any, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction
+from django.core.exceptions import BadRequest
 from django.http import HttpRequest, HttpResponse
 
 from . import conf, holders, keys
+from ._validation import validate_name
 from .exceptions import LockTimeout
 from .handle import HeldLock
 from .handler import locks
@@ -138,10 +140,23 @@ class _Guard:
             Lock(key, **options) if limit is None else Semaphore(key, limit=limit, **options)
         )
 
+    def name_for(self, request: HttpRequest, view_kwargs: Mapping[str, Any]) -> str:
+        """The request's lock name; one no lock service can store is the client's error (400).
+
+        The URL's arguments come from the client: ``/orders/a%00b/`` gives a
+        name with a NUL character, which ``acquire()`` refuses with
+        ``ValueError``, and that was a 500.
+        """
+        name = view_lock_name(self.template, request, view_kwargs)
+        try:
+            return validate_name(name)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+
     def run(
         self, request: HttpRequest, view_kwargs: Mapping[str, Any], call: Callable[[], Any]
     ) -> Any:
-        name = view_lock_name(self.template, request, view_kwargs)
+        name = self.name_for(request, view_kwargs)
         try:
             with templated(self.template.template):
                 held = self.lock.acquire_handle(name=name)
@@ -171,7 +186,7 @@ class _Guard:
     async def arun(
         self, request: HttpRequest, view_kwargs: Mapping[str, Any], call: Callable[[], Any]
     ) -> Any:
-        name = view_lock_name(self.template, request, view_kwargs)
+        name = self.name_for(request, view_kwargs)
         try:
             with templated(self.template.template):
                 held = await self.lock.aacquire_handle(name=name)  # native where the backend is

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from django.http import HttpResponse
 from django.test import AsyncClient, Client, override_settings
 
 from django_dlock import lock
@@ -157,3 +158,28 @@ def test_a_limit_lets_n_requests_in_and_answers_429_past_them(url: str) -> None:
         t.join(timeout=30)
     assert sorted(r.status_code for r in responses) == [200, 200]
     assert Client().get(url).status_code == 200
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_url_argument_no_lock_service_can_store_is_a_bad_request() -> None:
+    """Issue 27 review: ``/named/a%00b`` gave a 500 (ValueError from acquire())."""
+    from django.core.exceptions import BadRequest
+    from django.test import RequestFactory
+
+    from django_dlock.views import lock_view
+
+    @lock_view("named:{slug}", backend="locmem")
+    def named(request: Any, slug: str) -> HttpResponse:
+        return HttpResponse(slug)
+
+    @lock_view("named:{slug}", backend="locmem")
+    async def anamed(request: Any, slug: str) -> HttpResponse:
+        return HttpResponse(slug)
+
+    request = RequestFactory().get("/")
+    for bad in ("a\x00b", "a\ud800b"):
+        with pytest.raises(BadRequest, match="lock name"):
+            named(request, slug=bad)
+        with pytest.raises(BadRequest, match="lock name"):
+            asyncio.run(anamed(request, slug=bad))
+    assert named(request, slug="a\nb").status_code == 200
