@@ -677,7 +677,7 @@ class HeldLock:
     def _reschedule(self, renewing: bool, delay: float, end: float) -> None:
         """Renew in ``delay`` s; or, with a renewal under way, judge it when ``end`` comes."""
         if renewing:
-            get_watchdog().renewer(self.alias).judge_by(end)
+            get_watchdog().renewer(self.alias).judge_by(self, end)
         elif self._renew_enabled:
             get_watchdog().schedule(self, delay)
 

@@ -321,10 +321,16 @@ class Renewer:
             self._judge_at = expires
             self._watchdog.call_at(expires, self._judge)
 
-    def judge_by(self, expires: float) -> None:
-        """A lease in the queue or in flight now runs out at ``expires``: judge it then."""
-        with self._cond:
-            self._judge_before(expires)
+    def judge_by(self, held: HeldLock, expires: float) -> None:
+        """``held``, queued or in flight, now runs out sooner, at ``expires``: judge it then.
+
+        (The queue is ordered by when leases ran out as they were queued.)
+        """
+        self._watchdog.call_at(expires, lambda: self._judge_one(held))
+
+    def _judge_one(self, held: HeldLock) -> None:
+        if held.renewing and held.expires_at <= time.monotonic():
+            _quietly(held.renewal_lost, "its renewal did not come back before the lease ran out")
 
     def _judge(self) -> None:
         """On the watchdog's thread: mark lost the leases that ran out waiting or in flight."""

@@ -27,7 +27,20 @@ After every tick the run checks:
   per backend, so a renewal may wait for another's round trip), no loss is
   declared while the server holds the lease.
 
-On a893e4f it finds issue 28's items 1 and 2 (see the note in the commit).
+On a893e4f Hypothesis finds issue 28's items 1 and 2 (shrunk examples; the
+initial lease is k0, acquired at 1000.00):
+
+- item 1, ``first_ttl=3.0, fates=[(0.0, 1.0, 'ok')], actions=[('extend', 0, 6.0)]``:
+  "k0 believes it holds until 1006.00, the server ends it at 1004.00 (now
+  1001.05)": the renewal sent at 1001.00 with ttl 3 lands after the extend,
+  whose reply is applied from its own send with ttl 6;
+- item 2, ``first_ttl=3.0, fates=[(0.0, 1.25, 'ok')], actions=[]``: "k0
+  declared lost at 1004.00 (its renewal did not come back before the lease
+  ran out) while the server held it until 1006.25": renewals scheduled a third
+  of the TTL after the reply, not the send;
+- item 2's end, ``fates=[(0.0, 0.0, 'ok'), (1.0, 1.5, 'ok')], actions=[('wait',
+  18, 0), ('wait', 60, 0), ('release', 0, 3.0)]``: "k0: lock_lost fired at
+  1004.00, then release() returned without LockLost".
 """
 
 from __future__ import annotations
@@ -254,25 +267,35 @@ class Simulation:
     # --- the watchdog and the renewal thread, driven -----------------------------------
 
     def _watchdog_step(self) -> None:
+        """What the watchdog thread does when it wakes: the due entries' turns, then flush."""
         while True:
             with self.watchdog._cond:
-                wd = self.watchdog
-                now = self.clock.now
-                while wd._incoming:
-                    entry = wd._incoming.popleft()
-                    if watchdog_mod._live(entry):
-                        heapq.heappush(wd._heap, entry)
-                due = []
-                while wd._heap and wd._heap[0][4] <= now:
-                    entry = heapq.heappop(wd._heap)
-                    target = entry[2]()
-                    if target is not None and target.watchdog_generation == entry[3]:
-                        due.append((target, entry[0]))
+                collect = getattr(self.watchdog, "_collect", None)
+                if collect is not None:
+                    due, _ = collect()
+                else:  # a893e4f, before _collect() was split out of _next_due()
+                    due = self._collect_as_before()
+            if due is None:
+                continue
             if not due:
                 return
             for target, at in due:
                 target.on_watchdog(at)
             self.renewer.flush()
+
+    def _collect_as_before(self) -> list[tuple[Any, float]]:
+        wd = self.watchdog
+        while wd._incoming:
+            entry = wd._incoming.popleft()
+            if watchdog_mod._live(entry):
+                heapq.heappush(wd._heap, entry)
+        due = []
+        while wd._heap and wd._heap[0][4] <= self.clock.now:
+            entry = heapq.heappop(wd._heap)
+            target = entry[2]()
+            if target is not None and target.watchdog_generation == entry[3]:
+                due.append((target, entry[0]))
+        return due
 
     def _renewer_step(self) -> None:
         if "renewer" in self.busy:
