@@ -669,13 +669,15 @@ class HeldLock:
             self._requests = kept
             if self._state != _HELD:
                 return
+            sooner = end < self._expires
             self._set_expires(end)
             due = confirmed_sent + (end - confirmed_sent) / 3
             renewing = self.renewing
-        self._reschedule(renewing, max(0.0, due - now), end)
+        if not renewing or sooner:
+            self._reschedule(renewing, max(0.0, due - now), end)
 
     def _reschedule(self, renewing: bool, delay: float, end: float) -> None:
-        """Renew in ``delay`` s; or, with a renewal under way, judge it when ``end`` comes."""
+        """Renew in ``delay`` s; or, with a renewal under way, judge it at its new ``end``."""
         if renewing:
             get_watchdog().renewer(self.alias).judge_by(self, end)
         elif self._renew_enabled:

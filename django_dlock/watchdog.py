@@ -326,10 +326,11 @@ class Renewer:
 
         (The queue is ordered by when leases ran out as they were queued.)
         """
-        self._watchdog.call_at(expires, lambda: self._judge_one(held))
+        ref = weakref.ref(held)  # a forgotten handle is not kept alive by this
+        self._watchdog.call_at(expires, lambda: self._judge_one(ref()))
 
-    def _judge_one(self, held: HeldLock) -> None:
-        if held.renewing and held.expires_at <= time.monotonic():
+    def _judge_one(self, held: HeldLock | None) -> None:
+        if held is not None and held.renewing and held.expires_at <= time.monotonic():
             _quietly(held.renewal_lost, "its renewal did not come back before the lease ran out")
 
     def _judge(self) -> None:
