@@ -48,6 +48,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 import types
 from typing import Any
 
@@ -153,12 +154,28 @@ class SimBackend:
 class Simulation:
     def __init__(self, fates: list[tuple], monkeypatch: pytest.MonkeyPatch) -> None:
         self.clock = Clock()
-        fake_time = types.SimpleNamespace(monotonic=self.clock.monotonic)
+        # Only the simulation's threads see the virtual clock and its watchdog:
+        # the process's real watchdog and renewal threads (renewing other
+        # tests' leases) go on with the real ones.
+        self.threads = {threading.get_ident()}
+        real_monotonic, real_watchdog = time.monotonic, watchdog_mod.get_watchdog
+
+        def monotonic() -> float:
+            if threading.get_ident() in self.threads:
+                return self.clock.now
+            return real_monotonic()
+
+        def get_watchdog() -> watchdog_mod.Watchdog:
+            if threading.get_ident() in self.threads:
+                return self.watchdog
+            return real_watchdog()
+
+        fake_time = types.SimpleNamespace(monotonic=monotonic)
         monkeypatch.setattr(handle_mod, "time", fake_time)
         monkeypatch.setattr(watchdog_mod, "time", fake_time)
+        monkeypatch.setattr(handle_mod, "get_watchdog", get_watchdog)
         self.watchdog = watchdog_mod.Watchdog()
         self.watchdog._thread = threading.current_thread()  # no thread of its own: we drive it
-        monkeypatch.setattr(watchdog_mod, "watchdog", self.watchdog)
         self.renewer = self.watchdog.renewer("sim")
         self.renewer._thread = threading.current_thread()
         self.server = Server()
@@ -201,6 +218,8 @@ class Simulation:
         return call
 
     def _on_lost(self, sender: Any, held: HeldLock, **kwargs: Any) -> None:
+        if held.backend is not self.backend:
+            return  # another test's lease, renewed by the real watchdog
         self.lost_fired.setdefault(id(held), self.clock.now)
         end = self.server.ends.get(held.owner, -1.0)
         if end > self.clock.now and self.server.keys.get(held.name, ("",))[0] == held.owner:
@@ -259,7 +278,14 @@ class Simulation:
                 self._round_over()
 
     def start(self, actor: Any, fn: Any) -> None:
-        thread = threading.Thread(target=fn, daemon=True)
+        def body() -> None:
+            self.threads.add(threading.get_ident())
+            try:
+                fn()
+            finally:
+                self.threads.discard(threading.get_ident())
+
+        thread = threading.Thread(target=body, daemon=True)
         self.busy[actor] = thread
         thread.start()
         self._settle()
