@@ -157,6 +157,10 @@ class HeldLock:
     #: The watchdog's: bumped whenever it (re)schedules or cancels this handle.
     watchdog_generation: int
     _expiry_cell: list[float]
+    #: The request whose reply the estimate rests on: (sent, ttl, lease length).
+    _confirmed: tuple[float, float]
+    #: Requests sent (extends and renewals) that might still land after it.
+    _requests: list[_Request]
 
     def __init__(
         self,
@@ -206,6 +210,8 @@ class HeldLock:
         # plain grant: when we sent the request, plus the TTL, since the
         # service started counting no earlier than that).
         self._expires = expires - backend.drift(lease)
+        self._confirmed = (expires - lease, lease)
+        self._requests = []
         self._renew_enabled = renew
         self._fork_generation = _fork_generation
         self.renewing = False
@@ -220,7 +226,9 @@ class HeldLock:
             )
             self._forgotten.atexit = False
         if renew:
-            get_watchdog().schedule(self, min(ttl, lease) / 3)
+            # Due a third of the lease after the request was sent, not after now.
+            due = self._confirmed[0] + min(ttl, lease) / 3
+            get_watchdog().schedule(self, max(0.0, due - self.acquired_at))
         elif lease < ttl:
             # Granted less than asked (a hand-over) and nobody will renew it.
             self.extend(ttl)
@@ -313,9 +321,13 @@ class HeldLock:
         The new TTL also becomes the renewal period's basis. Raises
         :class:`LockNotOwned` (a :class:`LockLost`) if the lease is gone.
         """
-        ttl = self._before_extend(ttl)
-        sent = time.monotonic()
-        self._after_extend(self.backend.do_extend(self.name, self.owner, ttl), sent, ttl)
+        request = self._sending(self._before_extend(ttl))
+        try:
+            extended = self.backend.do_extend(self.name, self.owner, request.ttl)
+        except BaseException:
+            self._answered(request, None)
+            raise
+        self._after_extend(extended, request)
 
     def _before_extend(self, ttl: float | None) -> float:
         ttl = self.ttl if ttl is None else validate_ttl(ttl)
@@ -323,13 +335,15 @@ class HeldLock:
             raise self._error(LockNotOwned, f"cannot be extended: it {_INHERITED}")
         if self._state != _HELD:
             raise self._error(LockNotOwned, f"cannot be extended: it was {self._state}")
+        # The renewal basis from now on: a renewal sent after this one carries it.
+        self.ttl = ttl
         return ttl
 
-    def _after_extend(self, extended: bool, sent: float, ttl: float) -> None:
+    def _after_extend(self, extended: bool, request: _Request) -> None:
+        self._answered(request, extended)
         if not extended:
             self._mark_lost("extend was refused: the lease expired or was broken")
             raise self._error(LockNotOwned, "cannot be extended: the lease is gone")
-        self._renewed(sent, ttl)
 
     def release(self) -> None:
         """Release the lease if this handle still owns it.
@@ -375,6 +389,13 @@ class HeldLock:
             )
         if lock_released.receivers:
             self._send_ended(lock_released)
+        if was_lost:
+            # lock_lost was sent: from then on the handle could not vouch for
+            # the lease, so the work after it was not known to be protected,
+            # even though the service still had the lease to release.
+            raise self._error(
+                LockLost, f"was released, but had been declared lost: {self.lost_reason}"
+            )
 
     # --- async: the backend's awaitable primitives (native, or a worker thread).
 
@@ -386,10 +407,13 @@ class HeldLock:
 
     async def aextend(self, ttl: float | None = None) -> None:
         """:meth:`extend`, awaited."""
-        ttl = self._before_extend(ttl)
-        sent = time.monotonic()
-        extended = await self.backend.ado_extend(self.name, self.owner, ttl)
-        self._after_extend(extended, sent, ttl)
+        request = self._sending(self._before_extend(ttl))
+        try:
+            extended = await self.backend.ado_extend(self.name, self.owner, request.ttl)
+        except BaseException:
+            self._answered(request, None)
+            raise
+        self._after_extend(extended, request)
 
     async def arelease(self) -> None:
         """:meth:`release`, awaited.
@@ -595,12 +619,17 @@ class HeldLock:
         self.renewing = False
         self._mark_lost(reason)
 
-    def renewal_done(self, sent: float, result: bool | Exception) -> Exception | None:
-        """What the renewal sent at ``sent`` returned; the error if it raised one."""
+    def renewal_sending(self) -> _Request:
+        """The renewal thread sends a renewal now, with the handle's TTL: its record."""
+        return self._sending(self.ttl)
+
+    def renewal_done(self, request: _Request, result: bool | Exception) -> Exception | None:
+        """What the renewal ``request`` returned; the error if it raised one."""
         self.renewing = False
-        if self._state != _HELD:
-            return None
         if isinstance(result, Exception):
+            self._answered(request, None)
+            if self._state != _HELD:
+                return None
             remaining = self.expires_in
             if remaining <= 0:
                 self._mark_lost(f"renewal failed until the lease ran out: {result!r}")
@@ -608,23 +637,89 @@ class HeldLock:
                 delay = min(self.ttl * RETRY_FRACTION, remaining / 2, 1.0)
                 get_watchdog().schedule(self, delay)
             return result
-        if not result:
+        self._answered(request, result)
+        if self._state == _HELD and not result:
             self._mark_lost("renewal was refused: the lease expired or was broken")
-        else:
-            self._renewed(sent, self.ttl)
         return None
 
-    def _renewed(self, sent: float, ttl: float) -> None:
-        """The service granted ``ttl`` more seconds to a request sent at ``sent``."""
+    # --- the lease accounting: the estimate is never later than the service's end ---
+    #
+    # A request (a hand extend or a renewal) sent at ``sent`` with ``ttl`` that
+    # lands on the service sets the lease's end to at least ``sent + ttl``
+    # (it lands no earlier than it was sent). The estimate rests on the
+    # confirmed request sent last, C, and is lowered by every request that may
+    # have landed after C (one still in flight, one that failed after C was
+    # sent, one answered after C was sent): such a request R landed no
+    # earlier than C was sent, so the end is at least ``C.sent + R.ttl``. A
+    # reply sent before C's changes nothing else, and a request whose reply
+    # (or error) came before C was sent landed before C. The next renewal is
+    # due a third of the estimated length after C was sent.
+
+    def _sending(self, ttl: float) -> _Request:
+        """Record a request about to be sent with ``ttl``: until answered it may land any time."""
+        request = _Request(time.monotonic(), ttl)
         with self._mutex:
+            self._requests.append(request)
+            end = request.sent + ttl - self.backend.drift(ttl)
+            if end >= self._expires:
+                return request
+            # A shorter TTL: the lease may end sooner from the moment it lands.
+            self._set_expires(end)
+            renewing = self.renewing
+        self._reschedule(renewing, ttl / 3, end)
+        return request
+
+    def _answered(self, request: _Request, granted: bool | None) -> None:
+        """``request`` was granted (True), refused (False) or failed (None, it may have landed)."""
+        now = time.monotonic()
+        with self._mutex:
+            if request.answered is None:
+                request.answered = now
+            confirmed_sent, confirmed_ttl = self._confirmed
+            if granted and request.sent >= confirmed_sent:
+                self._confirmed = confirmed_sent, confirmed_ttl = request.sent, request.ttl
+            drift = self.backend.drift
+            end = confirmed_sent + confirmed_ttl - drift(confirmed_ttl)
+            kept = []
+            for other in self._requests:
+                if other.answered is not None and other.answered <= confirmed_sent:
+                    continue  # answered before C was sent: it landed before C
+                kept.append(other)
+                end = min(end, max(other.sent, confirmed_sent) + other.ttl - drift(other.ttl))
+            self._requests = kept
             if self._state != _HELD:
                 return
-            self.ttl = ttl
-            self._expires = sent + ttl - self.backend.drift(ttl)
-            if self._forgotten is not None:
-                self._expiry_cell[0] = self._expires
-        if self._renew_enabled:
-            get_watchdog().schedule(self, ttl / 3)
+            sooner = end < self._expires
+            self._set_expires(end)
+            due = confirmed_sent + (end - confirmed_sent) / 3
+            renewing = self.renewing
+        if not renewing or sooner:
+            self._reschedule(renewing, max(0.0, due - now), end)
+
+    def _reschedule(self, renewing: bool, delay: float, end: float) -> None:
+        """Renew in ``delay`` s; or, with a renewal under way, judge it at its new ``end``."""
+        if renewing:
+            get_watchdog().renewer(self.alias).judge_by(self, end)
+        elif self._renew_enabled:
+            get_watchdog().schedule(self, delay)
+
+    def _set_expires(self, end: float) -> None:
+        """Under the mutex."""
+        self._expires = end
+        if self._forgotten is not None:
+            self._expiry_cell[0] = end
+
+
+class _Request:
+    """An extend or renewal of a handle: sent at ``sent`` (``time.monotonic()``) with ``ttl``."""
+
+    __slots__ = ("answered", "sent", "ttl")
+
+    def __init__(self, sent: float, ttl: float) -> None:
+        self.sent = sent
+        self.ttl = ttl
+        #: When its reply or error came back; None while in flight.
+        self.answered: float | None = None
 
 
 #: Releases whose caller was cancelled, kept referenced until they are done.

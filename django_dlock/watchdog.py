@@ -171,39 +171,46 @@ class Watchdog:
         """
         with self._cond:
             while True:
-                # Sleep no later than the earliest due time among entries just
-                # dropped as released: entries scheduled after them are due
-                # later, so schedule() need not wake us for each of them.
-                now = time.monotonic()
-                wake_at = math.inf
-                while self._incoming:
-                    entry = self._incoming.popleft()
-                    if _live(entry):
-                        heapq.heappush(self._heap, entry)
-                    elif now < entry[0] < wake_at:
-                        wake_at = entry[0]
-                while self._heap and not _live(self._heap[0]):
-                    heapq.heappop(self._heap)
-                if self._heap:
-                    wake_at = min(wake_at, self._heap[0][0])
-                self._wake_at = wake_at
-                if self._incoming:
-                    continue  # appended while we were draining
-                now = time.monotonic()
-                due: list[tuple[HeldLock, float]] = []
-                while self._heap and self._heap[0][4] <= now:
-                    entry = heapq.heappop(self._heap)
-                    held = entry[2]()
-                    if held is not None and held.watchdog_generation == entry[3]:
-                        due.append((held, entry[0]))
+                due, wake_at = self._collect()
                 if due:
                     return due
-                delay = wake_at - now
+                if due is None:
+                    continue  # appended while we were draining
+                delay = wake_at - time.monotonic()
                 if delay <= 0:
                     continue
                 # schedule() appends before it reads _wake_at, and notifies
                 # under this lock, so an entry due sooner cannot be missed.
                 self._cond.wait(None if math.isinf(delay) else delay)
+
+    def _collect(self) -> tuple[list[tuple[HeldLock, float]] | None, float]:
+        """Under the lock: the entries due now, and when to wake; None if more came in."""
+        # Sleep no later than the earliest due time among entries just
+        # dropped as released: entries scheduled after them are due
+        # later, so schedule() need not wake us for each of them.
+        now = time.monotonic()
+        wake_at = math.inf
+        while self._incoming:
+            entry = self._incoming.popleft()
+            if _live(entry):
+                heapq.heappush(self._heap, entry)
+            elif now < entry[0] < wake_at:
+                wake_at = entry[0]
+        while self._heap and not _live(self._heap[0]):
+            heapq.heappop(self._heap)
+        if self._heap:
+            wake_at = min(wake_at, self._heap[0][0])
+        self._wake_at = wake_at
+        if self._incoming:
+            return None, wake_at
+        now = time.monotonic()
+        due: list[tuple[HeldLock, float]] = []
+        while self._heap and self._heap[0][4] <= now:
+            entry = heapq.heappop(self._heap)
+            held = entry[2]()
+            if held is not None and held.watchdog_generation == entry[3]:
+                due.append((held, entry[0]))
+        return due, wake_at
 
     def renewer(self, alias: str) -> Renewer:
         """The thread that talks to backend ``alias`` for this watchdog."""
@@ -316,6 +323,18 @@ class Renewer:
         if expires < self._judge_at:
             self._judge_at = expires
             self._watchdog.call_at(expires, self._judge)
+
+    def judge_by(self, held: HeldLock, expires: float) -> None:
+        """``held``, queued or in flight, now runs out sooner, at ``expires``: judge it then.
+
+        (The queue is ordered by when leases ran out as they were queued.)
+        """
+        ref = weakref.ref(held)  # a forgotten handle is not kept alive by this
+        self._watchdog.call_at(expires, lambda: self._judge_one(ref()))
+
+    def _judge_one(self, held: HeldLock | None) -> None:
+        if held is not None and held.renewing and held.expires_at <= time.monotonic():
+            _quietly(held.renewal_lost, "its renewal did not come back before the lease ran out")
 
     def _judge(self) -> None:
         """On the watchdog's thread: mark lost the leases that ran out waiting or in flight."""
@@ -431,38 +450,55 @@ class Renewer:
             size = max(1, backend.renew_batch)
             for start in range(0, len(group), size):
                 chunk = group[start : start + size]
-                sent = time.monotonic()
-                margin = 2 * self._round_trip
-                if chunk[0].expires_at - sent <= margin:  # the first ends first
-                    given_up = [
-                        held
-                        for held in chunk
-                        if held.expires_at - sent <= min(margin, held.ttl * LATE_SHARE)
-                    ]
-                    if given_up:
-                        gone = set(given_up)
-                        chunk = [held for held in chunk if held not in gone]
-                        too_late += given_up
-                        if not chunk:
-                            continue
-                leases = [(held.name, held.owner, held.ttl) for held in chunk]
+                chunk, requests = self._begin(chunk, too_late)
+                if not chunk:
+                    continue
+                leases = [
+                    (held.name, held.owner, request.ttl)
+                    for held, request in zip(chunk, requests, strict=True)
+                ]
                 try:
                     results = backend.do_extend_many(leases)
                 except Exception as e:
                     results = [e] * len(chunk)
-                self._round_trip = 0.8 * self._round_trip + 0.2 * (time.monotonic() - sent)
-                failed = None
-                for held, result in zip(chunk, results, strict=True):
-                    if _quietly(held.renewal_done, sent, result) is not None:
-                        failed = result
-                if failed is not None:
-                    logger.warning(
-                        "Renewing %d lease(s) on %r failed, retrying: %r",
-                        sum(isinstance(r, Exception) for r in results),
-                        self.alias,
-                        failed,
-                    )
+                self._end(chunk, requests, results)
         return too_late
+
+    def _begin(
+        self, chunk: list[HeldLock], too_late: list[HeldLock]
+    ) -> tuple[list[HeldLock], list[Any]]:
+        """Before a call: leases it cannot save go to ``too_late``; the rest are recorded sent."""
+        sent = time.monotonic()
+        margin = 2 * self._round_trip
+        if chunk[0].expires_at - sent <= margin:  # the first ends first
+            given_up = [
+                held
+                for held in chunk
+                if held.expires_at - sent <= min(margin, held.ttl * LATE_SHARE)
+            ]
+            if given_up:
+                gone = set(given_up)
+                chunk = [held for held in chunk if held not in gone]
+                too_late += given_up
+        # Each reply is applied with the TTL sent and counted from its send.
+        return chunk, [held.renewal_sending() for held in chunk]
+
+    def _end(self, chunk: list[HeldLock], requests: list[Any], results: list[Any]) -> None:
+        """After a call: apply each reply to its handle."""
+        if requests:
+            took = time.monotonic() - requests[0].sent
+            self._round_trip = 0.8 * self._round_trip + 0.2 * took
+        failed = None
+        for held, request, result in zip(chunk, requests, results, strict=True):
+            if _quietly(held.renewal_done, request, result) is not None:
+                failed = result
+        if failed is not None:
+            logger.warning(
+                "Renewing %d lease(s) on %r failed, retrying: %r",
+                sum(isinstance(r, Exception) for r in results),
+                self.alias,
+                failed,
+            )
 
     def _lag_state(self, late: float, ran_out: int, sample: list[HeldLock]) -> None:
         now = time.monotonic()

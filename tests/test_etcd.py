@@ -343,6 +343,26 @@ def test_one_session_lease_per_process_and_ttl(
         held.release()
 
 
+def test_a_stale_renewal_does_not_move_the_key_back_onto_a_shorter_lease(
+    single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
+) -> None:
+    """Issue 28 item 1 on etcd: a renewal built with ttl 3 arrives after ``extend(30)``."""
+    backend = make_backend(single.endpoint)
+    held = backend.acquire(name, ttl=3, renew=False)
+    stale = [(name, held.owner, 3.0)]  # what the renewal thread had queued
+    held.extend(30)
+    assert backend.do_extend_many(stale) == [True]
+    lease_hex = lease_of_key(single.endpoint, name)
+    out = etcdctl(single.endpoint, "lease", "timetolive", lease_hex, "-w", "json").stdout
+    assert json.loads(out)["granted-ttl"] == 30, out
+    held.release()
+
+
+def lease_of_key(endpoint: str, name: str) -> str:
+    """The lease (hex) the key of ``name``'s holder is attached to now."""
+    return f"{keys(endpoint, f'dlock/{name}/')[0]['lease']:x}"
+
+
 def test_close_revokes_the_session(
     single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
 ) -> None:

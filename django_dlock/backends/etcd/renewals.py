@@ -38,9 +38,13 @@ class EtcdRenewals:
             entry = self.state.entries.get(owner)
             if entry is None:
                 continue
-            if lease_seconds(ttl) != entry.lease.ttl:  # a new TTL: the key moves leases
+            if lease_seconds(ttl) > entry.lease.ttl:  # a longer TTL: the key moves leases
                 results[i] = extend_each(self.do_extend, [leases[i]])[0]
                 continue
+            # A shorter TTL is a renewal sent before a hand extend() moved the
+            # key onto a longer lease: keeping that lease alive keeps the key
+            # at least as long; moving it back would undo the extend (issue
+            # 28). The handle counts the shorter TTL it sent.
             lease_id = entry.lease.id
             if lease_id not in kept:
                 try:
