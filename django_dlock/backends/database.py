@@ -60,7 +60,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from django.apps import apps
@@ -74,21 +73,13 @@ from .._validation import load_holder, micros_to_datetime
 from ..exceptions import BackendUnavailable, LockConfigurationError, LockInTransaction
 from .base import BaseLockBackend, LockInfo
 from .database_slots import DatabaseSlots
-from .sql import BINARY, SERVER_CLOCK, Busy, add_clock, bounded, lock_not_available, micros
+from .database_statements import Statements, extend_rows, vendor_statements
+from .sql import Busy, add_clock, bounded, lock_not_available, micros
 from .types import extend_each
 
 T = TypeVar("T")
 
 SUPPORTED_VENDORS = ("sqlite", "postgresql", "mysql")
-
-# The server's version, for `manage.py locks check`.
-_VERSION = {
-    "mysql": (
-        "SELECT CONCAT(IF(LOCATE('MariaDB', VERSION()) > 0, 'MariaDB ', 'MySQL '), VERSION())"
-    ),
-    "postgresql": "SELECT 'PostgreSQL ' || current_setting('server_version')",
-    "sqlite": "SELECT 'SQLite ' || sqlite_version()",
-}
 
 #: Retries of release, extend, check and break when the database is busy.
 BUSY_RETRIES = 6
@@ -126,171 +117,6 @@ def _transient(error: Exception) -> bool:
         return False
     text = str(error)
     return not any(refused in text for refused in _PG_REFUSED_TEXT)
-
-
-@dataclass(frozen=True)
-class _Statements:
-    acquire: str
-    acquire_insert: str | None
-    release: str
-    adopt: str
-    extend: str
-    extend_many: str
-    extended: str | None
-    check: str
-    break_: str
-    break_token: str
-    list: str
-    get: str
-    version: str
-
-
-def _statements(vendor: str, table: str) -> _Statements:
-    now = SERVER_CLOCK[vendor]
-    binary = BINARY[vendor]
-    break_ = (
-        f"UPDATE {table} SET owner = NULL, acquired_at_us = NULL, expires_at_us = NULL,"
-        f" holder = '' WHERE digest = %s AND expires_at_us > {now}"
-    )
-    columns = "digest, namespace, name, fence, owner, acquired_at_us, expires_at_us, holder"
-    if vendor == "mysql":
-        # MySQL has no UPDATE ... RETURNING. LAST_INSERT_ID(expr) stores expr for
-        # this connection and the driver reports it as cursor.lastrowid, so the
-        # new token comes back with the statement.
-        #
-        # params: owner, ttl (us), holder JSON, digest
-        # returns: rowcount 1 and lastrowid = the new token if the row was free
-        #          or expired; rowcount 0 if it is held or does not exist yet.
-        acquire = (
-            f"UPDATE {table} SET fence = LAST_INSERT_ID(fence + 1), owner = %s,"
-            f" acquired_at_us = {now}, expires_at_us = {now} + %s, holder = %s"
-            f" WHERE digest = %s AND (owner IS NULL OR expires_at_us <= {now})"
-        )
-        # The first acquisition of a name. A duplicate key means another client
-        # created the row first: that attempt failed.
-        #
-        # params: digest, namespace, name, owner, ttl (us), holder JSON
-        # returns: lastrowid = the token, seeded from the server clock.
-        acquire_insert = (
-            f"INSERT INTO {table} ({columns})"
-            f" VALUES (%s, %s, %s, LAST_INSERT_ID({now}), %s, {now}, {now} + %s, %s)"
-        )
-    else:
-        # One statement: create the row for a new name (the token seeded from
-        # the server clock), or take over a free or expired row (token + 1;
-        # on SQLite max(token + 1, the clock in us)). If
-        # a live lease holds the row the DO UPDATE's WHERE fails and no row
-        # comes back. Under concurrency PostgreSQL re-checks the WHERE against
-        # the row version that won, and SQLite runs one writer at a time.
-        #
-        # params: digest, namespace, name, owner, ttl (us), holder JSON
-        # returns: one row (the new fencing token) or none.
-        seed, next_token = now, f"{table}.fence + 1"
-        if vendor == "sqlite":
-            # See the module docstring: a rolled-back token is not issued again.
-            seed, next_token = "dlock_now_us()", f"MAX({table}.fence + 1, dlock_now_us())"
-        acquire = (
-            f"INSERT INTO {table} ({columns})"
-            f" VALUES (%s, %s, %s, {seed}, %s, {now}, {now} + %s, %s)"
-            f" ON CONFLICT (digest) DO UPDATE SET fence = {next_token},"
-            " owner = excluded.owner, acquired_at_us = excluded.acquired_at_us,"
-            " expires_at_us = excluded.expires_at_us, holder = excluded.holder"
-            f" WHERE {table}.owner IS NULL OR {table}.expires_at_us <= excluded.acquired_at_us"
-            " RETURNING fence"
-        )
-        acquire_insert = None
-    return _Statements(
-        acquire=acquire,
-        acquire_insert=acquire_insert,
-        # Compare-and-release. The fence column is kept so the counter survives.
-        # params: digest, owner
-        # returns: rowcount 1 if owner held a live lease, else 0.
-        release=(
-            f"UPDATE {table} SET owner = NULL, acquired_at_us = NULL, expires_at_us = NULL,"
-            f" holder = '' WHERE digest = %s AND owner = %s AND expires_at_us > {now}"
-        ),
-        # Compare-and-move: a handed-over lease changes owner, so that a second
-        # adoption of the same ticket finds it gone. The token stays.
-        # params: new owner, ttl (us), digest, owner
-        # returns: rowcount 1 if owner held a live lease, else 0.
-        adopt=(
-            f"UPDATE {table} SET owner = %s, expires_at_us = {now} + %s"
-            f" WHERE digest = %s AND owner = %s AND expires_at_us > {now}"
-        ),
-        # Compare-and-extend: the lease runs ttl from now by the server clock.
-        # params: ttl (us), digest, owner
-        # returns: rowcount 1 if owner held a live lease, else 0.
-        extend=(
-            f"UPDATE {table} SET expires_at_us = {now} + %s"
-            f" WHERE digest = %s AND owner = %s AND expires_at_us > {now}"
-        ),
-        # The watchdog's batched renewal: extend for n leases of the same ttl.
-        # {digests} is n "%s" and {pairs} n "(%s, %s)", joined by commas (the
-        # digest list lets the primary key find the rows).
-        # params: ttl (us), the n digests, then each lease's digest and owner
-        # returns: the (digest, owner) of each lease extended; on MySQL, which
-        #          has no UPDATE ... RETURNING, nothing: `extended` reads them.
-        extend_many=(
-            f"UPDATE {table} SET expires_at_us = {now} + %s WHERE expires_at_us > {now}"
-            " AND digest IN ({digests}) AND (digest, owner) IN ({pairs})"
-            + ("" if vendor == "mysql" else " RETURNING digest, owner")
-        ),
-        # MySQL, right after extend_many: its leases that are live are the ones
-        # it extended (a lease it did not extend had run out, or was another
-        # owner's). params: the n digests, then the pairs; returns: (digest, owner).
-        extended=(
-            f"SELECT digest, owner FROM {table} WHERE expires_at_us > {now}"
-            " AND digest IN ({digests}) AND (digest, owner) IN ({pairs})"
-            if vendor == "mysql"
-            else None
-        ),
-        # params: digest, owner
-        # returns: one row if owner holds a live lease, else none.
-        check=(
-            f"SELECT 1 FROM {table} WHERE digest = %s AND owner = %s AND expires_at_us > {now}"
-        ),
-        # Break whoever holds it.
-        # params: digest
-        # returns: rowcount 1 if there was a live lease, else 0.
-        break_=break_,
-        # Break the live lease only if it is the one with this fencing token
-        # (the row's fence is the token of its current lease).
-        # params: digest, token
-        # returns: rowcount 1 if that lease was live, else 0.
-        break_token=f"{break_} AND fence = %s",
-        # Live leases in a namespace by name prefix, through the expires_at_us
-        # index: the rows read are the live leases, not every name ever locked.
-        # params: namespace, len(prefix), prefix
-        # returns: name, fence, holder, acquired_at_us, expires_at_us, now_us.
-        list=(
-            f"SELECT name, fence, holder, acquired_at_us, expires_at_us, {now} FROM {table}"
-            f" WHERE expires_at_us > {now}"
-            f" AND {binary.format('namespace')} = {binary.format('%s')}"
-            f" AND {binary.format('substr(name, 1, %s)')} = {binary.format('%s')}"
-        ),
-        # The live lease on one name, by its primary key.
-        # params: digest
-        # returns: one row (the columns of list) if the lease is live, else none.
-        get=(
-            f"SELECT name, fence, holder, acquired_at_us, expires_at_us, {now} FROM {table}"
-            f" WHERE digest = %s AND expires_at_us > {now}"
-        ),
-        # params: none; returns: one row, the server's name and version.
-        version=_VERSION[vendor],
-    )
-
-
-def _extend_rows(
-    ttl_us: int, pairs: list[tuple[str, str]], connection: Any, sql: _Statements, cursor: Any
-) -> set[tuple[str, str]]:
-    """Run ``extend_many`` for ``pairs`` (digest, owner); the pairs it extended."""
-    marks = {"digests": ", ".join(["%s"] * len(pairs))}
-    marks["pairs"] = ", ".join(["(%s, %s)"] * len(pairs))
-    params = [digest for digest, _ in pairs] + [value for pair in pairs for value in pair]
-    cursor.execute(sql.extend_many.format(**marks), [ttl_us, *params])
-    if sql.extended is not None:
-        cursor.execute(sql.extended.format(**marks), params)
-    return {(digest, owner) for digest, owner in cursor.fetchall()}
 
 
 class _AtTransactionEnd:
@@ -350,7 +176,7 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
                 alias=alias,
             )
         self._local = threading.local()
-        self._statements_cache: dict[str, _Statements] = {}
+        self._statements_cache: dict[str, Statements] = {}
         # owner token -> the SQLite connection whose open transaction holds the lease
         self._bound: dict[str, BaseDatabaseWrapper] = {}
 
@@ -446,7 +272,7 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         if bound is not None:
             bound.dec_thread_sharing()
 
-    def _sql(self, connection: BaseDatabaseWrapper) -> _Statements:
+    def _sql(self, connection: BaseDatabaseWrapper) -> Statements:
         vendor = connection.vendor
         statements = self._statements_cache.get(vendor)
         if statements is None:
@@ -458,13 +284,13 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
             from ..models import Lease
 
             table = connection.ops.quote_name(Lease._meta.db_table)
-            statements = self._statements_cache[vendor] = _statements(vendor, table)
+            statements = self._statements_cache[vendor] = vendor_statements(vendor, table)
         return statements
 
     def _run(
         self,
         name: str,
-        fn: Callable[[BaseDatabaseWrapper, _Statements, Any], T],
+        fn: Callable[[BaseDatabaseWrapper, Statements, Any], T],
         owner: str | None = None,
         connection: BaseDatabaseWrapper | None = None,
     ) -> T:
@@ -517,7 +343,7 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
     def _retry_busy(
         self,
         name: str,
-        fn: Callable[[BaseDatabaseWrapper, _Statements, Any], T],
+        fn: Callable[[BaseDatabaseWrapper, Statements, Any], T],
         owner: str | None = None,
         connection: BaseDatabaseWrapper | None = None,
     ) -> T:
@@ -547,7 +373,7 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
     ) -> int | None:
         digest, ttl_us = self._key(name), micros(ttl)
 
-        def free_then_take(sql: _Statements, cursor: Any) -> int | None:
+        def free_then_take(sql: Statements, cursor: Any) -> int | None:
             cursor.execute(sql.get, [digest])
             if cursor.fetchone() is not None:
                 return None
@@ -555,7 +381,7 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
             row = cursor.fetchone()
             return None if row is None else int(row[0])
 
-        def sqlite(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> int | None:
+        def sqlite(connection: BaseDatabaseWrapper, sql: Statements, cursor: Any) -> int | None:
             if connection.in_atomic_block:  # joined: see the module docstring
                 token = free_then_take(sql, cursor)
                 if token is None:
@@ -585,7 +411,7 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
                 raise
             return token
 
-        def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> int | None:
+        def run(connection: BaseDatabaseWrapper, sql: Statements, cursor: Any) -> int | None:
             if connection.vendor == "sqlite":
                 return sqlite(connection, sql, cursor)
             if sql.acquire_insert is None:
@@ -627,7 +453,7 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
     def _rowcount(
         self, name: str, statement: str, params: list[Any], owner: str | None = None
     ) -> bool:
-        def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> bool:
+        def run(connection: BaseDatabaseWrapper, sql: Statements, cursor: Any) -> bool:
             cursor.execute(getattr(sql, statement), params)
             return bool(cursor.rowcount == 1)
 
@@ -654,7 +480,7 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
             pairs = [(self._key(leases[i][0]), leases[i][1]) for i in indexes]
             try:
                 extended = self._retry_busy(
-                    leases[indexes[0]][0], functools.partial(_extend_rows, ttl_us, pairs)
+                    leases[indexes[0]][0], functools.partial(extend_rows, ttl_us, pairs)
                 )
             except BackendUnavailable as e:
                 for i in indexes:
@@ -675,28 +501,28 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         return self._rowcount(name, "break_token", [self._key(name), token])
 
     def do_ping(self) -> tuple[str, tuple[str, ...]]:
-        def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> str:
+        def run(connection: BaseDatabaseWrapper, sql: Statements, cursor: Any) -> str:
             cursor.execute(sql.version)
             return str(cursor.fetchone()[0])
 
         return self._retry_busy("", run), ()
 
     def do_check(self, name: str, owner: str) -> bool:
-        def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> bool:
+        def run(connection: BaseDatabaseWrapper, sql: Statements, cursor: Any) -> bool:
             cursor.execute(sql.check, [self._key(name), owner])
             return cursor.fetchone() is not None
 
         return self._retry_busy(name, run, owner)
 
     def do_list(self, prefix: str) -> list[LockInfo]:
-        def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> list[Any]:
+        def run(connection: BaseDatabaseWrapper, sql: Statements, cursor: Any) -> list[Any]:
             cursor.execute(sql.list, [self.key_prefix, len(prefix), prefix])
             return list(cursor.fetchall())
 
         return [self._info(row) for row in self._retry_busy(prefix, run)]
 
     def do_get(self, name: str) -> LockInfo | None:
-        def run(connection: BaseDatabaseWrapper, sql: _Statements, cursor: Any) -> Any:
+        def run(connection: BaseDatabaseWrapper, sql: Statements, cursor: Any) -> Any:
             cursor.execute(sql.get, [self._key(name)])
             return cursor.fetchone()
 

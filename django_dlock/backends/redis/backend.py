@@ -31,16 +31,18 @@ from .connections import (
     CLIENT_ERRORS,
     Node,
     as_bytes,
+    ms,
     redacted,
     server_version,
     text,
     transient,
 )
 from .listing import get_lease, iter_node
+from .native_async import RedisNativeAsync
 from .renewals import RedisRenewals
-from .scripts import ABANDON, ACQUIRE, EXTEND, KEEP, RELEASE, WAITER_LEASE_MS, Keys, lock_key
+from .scripts import WAITER_LEASE_MS, Keys, lock_key
 from .semaphores import RedisSemaphores
-from .waiters import SELF_CHECK, Waiter, handed_over, take_handed
+from .waiters import Waiter, handed_over, take_handed
 
 #: Longest single blocking wait; waiters re-check at least this often.
 WAIT_CAP = 1.0
@@ -99,20 +101,16 @@ class RedisAttempt(Attempt):
         return self.first_queued_us
 
     async def atry_acquire(self) -> int | Grant | None:
-        return await self.backend._atry_acquire(self)
+        return await self.backend.atry_attempt(self)
 
     async def await_(self, remaining: float | None) -> None:
-        await self.backend._ablock(self, remaining)
+        await self.backend.ablock_attempt(self, remaining)
 
     async def aabandon(self) -> None:
-        await self.backend._aabandon(self)
+        await self.backend.aabandon_attempt(self)
 
 
-def ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
-
-
-class RedisBackend(RedisRenewals, RedisSemaphores):
+class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
     """Leases in Redis; see the package docstring for the key layout and scripts.
 
     Its semaphores, read/write locks and parked tasks are in ``semaphores.py``;
@@ -561,103 +559,6 @@ class RedisBackend(RedisRenewals, RedisSemaphores):
         """A BLPOP returned: in fair mode, what it popped is the hand-over."""
         if popped and attempt.queued_at is not None:
             attempt.handed = handed_over(attempt.queued_at, text(popped[1]))
-
-    # --- native async (single server; aio.py) -----------------------------------------
-
-    async def _arun(self, name: str, call: Any) -> Any:
-        """Await ``call(async node)``; a RedisError becomes BackendUnavailable."""
-        try:
-            return await call(self._anode)
-        except CLIENT_ERRORS as e:
-            raise self._unavailable(name, e, self.nodes[0]) from e
-
-    async def _atry_acquire(self, attempt: RedisAttempt) -> int | Grant | None:
-        handed = take_handed(attempt)
-        if handed is not None:
-            self._aforget(attempt)
-            return handed
-        keys, args = self._acquire_args(attempt)
-        queues = args[6] == "1"
-        waiter = attempt.waiter
-        if waiter is None and queues:
-            # Before it is sent: a hand-over may be published before its reply.
-            waiter = attempt.waiter = self._notifier().register(attempt.name, attempt.owner)
-        elif waiter is not None:
-            waiter.sent = time.monotonic()
-        sent, reply = await self._arun(attempt.name, lambda a: a.run_timed(ACQUIRE, keys, args))
-        result = self._outcome(reply, attempt, sent)
-        if result is not None:
-            self._aforget(attempt)
-        elif waiter is not None:
-            waiter.queued = queues
-        return result
-
-    def _notifier(self) -> Any:
-        return self._anode.notifier(lambda name: self._keys(name).wake, self._akeep)
-
-    def _aforget(self, attempt: RedisAttempt) -> None:
-        waiter, attempt.waiter = attempt.waiter, None
-        if waiter is not None:
-            self._notifier().unregister(waiter)
-
-    async def _akeep(self, name: str, owners: list[str]) -> tuple[int, list[str]]:
-        """KEEP for ``owners`` queued on ``name``: (the lock's PTTL, those no longer queued)."""
-        k = self._keys(name)
-        keys = [k.lock, k.queue, k.queue_deadlines, k.queue_info]
-        reply = await self._arun(name, lambda a: a.run(KEEP, keys, [WAITER_LEASE_MS, *owners]))
-        return int(reply[0]), [text(owner) for owner in reply[1:]]
-
-    async def ado_release(self, name: str, owner: str) -> bool:
-        if not self.native_async:
-            return await super().ado_release(name, owner)
-        keys, args = self._release_args(name, owner)
-        return bool(await self._arun(name, lambda a: a.run(RELEASE, keys, args)))
-
-    async def ado_extend(self, name: str, owner: str, ttl: float) -> bool:
-        if not self.native_async:
-            return await super().ado_extend(name, owner, ttl)
-        keys, args = [self._keys(name).lock], [owner, ms(ttl)]
-        return bool(await self._arun(name, lambda a: a.run(EXTEND, keys, args)))
-
-    async def ado_check(self, name: str, owner: str) -> bool:
-        if not self.native_async:
-            return await super().ado_check(name, owner)
-        lock_key = self._keys(name).lock
-        value = await self._arun(name, lambda a: a.get(lock_key))
-        return as_bytes(value or b"").startswith(f"{owner}:".encode())
-
-    async def _aabandon(self, attempt: RedisAttempt) -> None:
-        self._aforget(attempt)
-        plan = self._abandon_plan(attempt)
-        if plan is not None:
-            keys, args = plan
-            await self._arun(attempt.name, lambda a: a.run(ABANDON, keys, args))
-
-    async def _ablock(self, attempt: RedisAttempt, remaining: float | None) -> None:
-        """Wait on the event loop's notifier (waiters.py), holding no connection.
-
-        A queued waiter waits to be handed the lock, the notifier's keeper
-        refreshing its place; any other waits as long as ``_block`` would.
-        """
-        waiter = attempt.waiter
-        if waiter is not None and waiter.queued:
-            timeout = SELF_CHECK if remaining is None else min(remaining, SELF_CHECK)
-            if timeout < 0.001:
-                return
-        else:
-            plan = self._wait_plan(attempt, remaining)
-            if plan is None:
-                return
-            timeout = plan[1]
-            if waiter is None:
-                waiter = attempt.waiter = self._notifier().register(attempt.name, attempt.owner)
-        try:
-            await self._notifier().wait(waiter, timeout)
-        except CLIENT_ERRORS as e:  # subscribing failed
-            raise self._unavailable(attempt.name, e, self.nodes[0]) from e
-        signal, waiter.signal = waiter.signal, None
-        if signal is not None and attempt.queued_at is not None:
-            attempt.handed = handed_over(attempt.queued_at, signal)
 
 
 def _several(location: Any) -> bool:

@@ -345,3 +345,7 @@ def text(value: Any) -> str:
 
 def as_bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
+
+
+def ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
