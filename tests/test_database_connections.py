@@ -84,6 +84,31 @@ def test_the_private_connection_closes_when_the_transaction_ends(
     assert backend.list(name) == []
 
 
+@pytest.mark.backends("db-postgresql", "db-mysql")
+@pytest.mark.with_default_db
+def test_a_failing_on_commit_hook_of_the_app_does_not_keep_the_private_connection(
+    backend_alias: str, name: str
+) -> None:
+    """Issue 27 review: Django stops at the first failing hook; the close was queued behind it."""
+    db = settings.CONFORMANCE_BACKENDS[backend_alias]
+    backend = locks[backend_alias]
+    assert isinstance(backend, DatabaseBackend)
+    kept: list[BaseException] = []
+
+    def send_mail() -> None:
+        raise RuntimeError("the mail server is down")
+
+    try:
+        with transaction.atomic(using=db):
+            transaction.on_commit(send_mail, using=db)
+            with lock(name, backend=backend_alias, timeout=0):
+                session = _private_session(backend)
+    except RuntimeError as e:
+        kept.append(e)  # with its traceback, as an error reporter keeps it
+    assert len(kept) == 1
+    assert _gone(db, session)
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("ending", ["commit", "rollback"])
 def test_sqlite_a_lease_handed_over_inside_atomic_leaves_no_binding(

@@ -70,6 +70,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseError, IntegrityError, InterfaceError, OperationalError
 
 from .._validation import load_holder, micros_to_datetime
+from ..commit_hooks import on_commit_first
 from ..exceptions import BackendUnavailable, LockConfigurationError, LockInTransaction
 from .base import BaseLockBackend, LockInfo
 from .database_slots import DatabaseSlots
@@ -140,14 +141,15 @@ class _AtTransactionEnd:
 def _ended(ref: weakref.ref[BaseDatabaseWrapper], callback: Callable[[], None]) -> None:
     connection = ref()
     if connection is not None and connection.in_atomic_block and connection.connection is not None:
-        connection.on_commit(_AtTransactionEnd(connection, callback), robust=True)
+        on_commit_first(connection, _AtTransactionEnd(connection, callback))
     else:
         callback()
 
 
 def at_transaction_end(connection: BaseDatabaseWrapper, callback: Callable[[], None]) -> None:
     """``callback()`` when the transaction open on ``connection`` commits or rolls back."""
-    connection.on_commit(_AtTransactionEnd(connection, callback), robust=True)
+    # First: a failing on_commit hook of the application must not skip it.
+    on_commit_first(connection, _AtTransactionEnd(connection, callback))
 
 
 class DatabaseBackend(DatabaseSlots, BaseLockBackend):
