@@ -406,13 +406,14 @@ def test_a_rollback_around_a_slot_acquisition_changes_no_token(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_sqlite_slots_inside_atomic_are_taken_on_a_connection_of_their_own(name: str) -> None:
-    """On SQLite too, a slot taken inside ``atomic()`` is not part of the caller's transaction.
+def test_sqlite_slots_inside_atomic_join_the_callers_transaction(name: str) -> None:
+    """On SQLite a slot taken inside ``atomic()`` joins the caller's transaction, as the mutex.
 
-    Its rollback leaves the slot held, so no token repeats. Once the caller's
-    transaction has written (it holds SQLite's write lock), a slot cannot be
-    taken and LockInTransaction comes at once, not after SQLite's busy timeout.
+    Its rollback removes the slot (the handle finds it lost) and no token
+    repeats. A full semaphore raises LockInTransaction at once, whatever the
+    timeout (tests/test_database_sqlite_slots.py has the rest).
     """
+    from django_dlock import LockLost
     from tests.models import Counter
 
     class Rollback(Exception):
@@ -421,18 +422,19 @@ def test_sqlite_slots_inside_atomic_are_taken_on_a_connection_of_their_own(name:
     with contextlib.suppress(Rollback), transaction.atomic():
         held = semaphore(name, limit=1, backend="db-sqlite", timeout=0).acquire()
         raise Rollback
-    held.ensure()
-    with pytest.raises(LockTimeout):
-        semaphore(name, limit=1, backend="db-sqlite", timeout=0).acquire()
-    held.release()
+    with pytest.raises(LockLost):
+        held.ensure()
+    holder = semaphore(name, limit=1, backend="db-sqlite", timeout=0).acquire()
+    assert holder.token > held.token
     started = time.monotonic()
     with transaction.atomic():
         Counter.objects.create(value=1)
         with pytest.raises(LockInTransaction):
             semaphore(name, limit=1, backend="db-sqlite", timeout=10).acquire()
     assert time.monotonic() - started < 4
+    holder.release()
     with semaphore(name, limit=1, backend="db-sqlite", timeout=0) as after:
-        assert after.token > held.token
+        assert after.token > holder.token
 
 
 @pytest.mark.backends("db-postgresql", "db-mysql")
@@ -467,8 +469,8 @@ def test_sqlite_a_slot_released_inside_atomic_after_a_write_keeps_the_work(name:
 
     Found by review: the release at the end of the block could not write
     (the caller's transaction holds SQLite's write lock) and raised
-    LockInTransaction, which rolled the caller's work back. The release now
-    finishes as soon as the transaction ends.
+    LockInTransaction, which rolled the caller's work back. The slot now joins
+    the caller's transaction and is released in it.
     """
     from tests.models import Counter
 

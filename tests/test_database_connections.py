@@ -138,25 +138,34 @@ def test_sqlite_a_lease_handed_over_inside_atomic_leaves_no_binding(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_sqlite_a_slot_inside_atomic_after_a_read_is_refused_at_once(name: str) -> None:
+def test_sqlite_a_slot_inside_atomic_after_a_read_is_granted_or_refused_at_once(
+    name: str,
+) -> None:
     """Issue 27 (item 9): after a mere read, a slot blocked 70 s on timeout=0.
 
     The private connection's COMMIT waited for the caller's shared lock,
     failed, and left its transaction open; every retry then failed with
     "cannot start a transaction within a transaction", and BackendUnavailable
-    came 70 s later. The mutex in the same spot refuses at once; so does the
-    slot now, with LockInTransaction, whatever the timeout.
+    came 70 s later. Then (review of issue 27) it was refused at once even
+    when free. It now joins the caller's transaction as the mutex does: a
+    free slot is granted, a full one refused with LockInTransaction at once,
+    whatever the timeout.
     """
     for make in (
-        lambda: semaphore(name, limit=2, backend="db-sqlite", timeout=0),
-        lambda: semaphore(name, limit=2, backend="db-sqlite", timeout=30),
+        lambda: semaphore(name, limit=1, backend="db-sqlite", timeout=0),
+        lambda: semaphore(name, limit=1, backend="db-sqlite", timeout=30),
         lambda: rwlock(name, backend="db-sqlite", timeout=30).write(),
     ):
         with transaction.atomic():
             Counter.objects.count()  # a read: SQLite's shared lock until the end
-            with pytest.raises(LockInTransaction, match="before entering"):
-                make().acquire()
-    assert locks["db-sqlite"].semaphores(name) == []
-    with semaphore(name, limit=2, backend="db-sqlite", timeout=0):  # the way: outside
+            with make():
+                pass
+    holder = semaphore(name, limit=1, backend="db-sqlite", timeout=0).acquire()
+    try:
         with transaction.atomic():
             Counter.objects.count()
+            with pytest.raises(LockInTransaction, match="before entering"):
+                semaphore(name, limit=1, backend="db-sqlite", timeout=30).acquire()
+    finally:
+        holder.release()
+    assert locks["db-sqlite"].semaphores(name) == []

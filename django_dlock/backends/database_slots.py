@@ -8,8 +8,8 @@ a live mutex lease, so the mutex listing never shows it, and like a mutex's
 it is seeded from the server clock in microseconds and kept for ever.
 
 An acquisition is one short transaction on the backend's connection (a
-private one inside the caller's ``atomic()``, on SQLite too, so that the
-caller's rollback never undoes a grant nor repeats a token):
+private one inside the caller's ``atomic()`` on PostgreSQL and MySQL, so that
+the caller's rollback never undoes a grant nor repeats a token):
 
 1. lock the counter row (created if missing): ``SELECT ... FOR UPDATE`` on
    PostgreSQL and MySQL, ``BEGIN IMMEDIATE`` (the write lock) on SQLite, so
@@ -17,10 +17,17 @@ caller's rollback never undoes a grant nor repeats a token):
 2. delete the name's rows whose leases ended by the server's clock;
 3. read the rest, and grant or record a waiter as ``base.py`` says.
 
-Inside the caller's ``atomic()`` on SQLite, the private connection cannot
-commit once the caller's transaction has read or written (SQLite lets no
-other connection commit while it holds its shared lock): such an acquisition
-is refused at once with ``LockInTransaction``, as the mutex's is.
+Inside the caller's ``atomic()`` on SQLite a slot joins the caller's
+transaction, as the mutex does (``database.py``'s docstring): a second
+connection could not commit while that transaction has read or written.
+The attempt reads first and writes only if a slot is free: granted at once,
+its rows written in the caller's transaction and the lease bound to that
+connection until the transaction ends (renewals, checks and the release go
+through it); refused at once with ``LockInTransaction`` when none is free,
+having written nothing. A rollback removes the rows with the rest of the
+caller's work: the next renewal, ``ensure()`` or release finds the lease
+gone. On SQLite a token is ``max(counter + 1, wall clock in us)``, so the
+acquisition after a rolled-back one never gets its token again.
 
 Waiting backs off (2 ms doubling to 100 ms); waiters are not FIFO.
 """
@@ -28,6 +35,7 @@ Waiting backs off (2 ms doubling to 100 ms); waiters are not FIFO.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -40,7 +48,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from .._validation import load_holder, micros_to_datetime
 from ..exceptions import LockInTransaction
 from .base import BaseLockBackend, LockInfo, ParkedTask, SlotEntry
-from .sql import BINARY, IDLE_IN_TRANSACTION, SERVER_CLOCK, Busy, micros
+from .sql import BINARY, IDLE_IN_TRANSACTION, SERVER_CLOCK, Busy, micros, wall_us
 
 T = TypeVar("T")
 
@@ -48,8 +56,6 @@ logger = logging.getLogger("django_dlock")
 
 #: How long a release that the caller's SQLite transaction holds up is retried, s.
 RELEASE_LATER_FOR = 600.0
-#: SQLite's busy timeout on the private connection used inside ``atomic()``, ms.
-PRIVATE_BUSY_TIMEOUT_MS = 200
 
 _BEGIN = {"sqlite": "BEGIN IMMEDIATE", "mysql": "START TRANSACTION", "postgresql": "BEGIN"}
 # MySQL's REPEATABLE READ would lock gaps (and deadlock racing acquirers) and
@@ -87,6 +93,8 @@ class _SQL:
         self.set_counter = f"UPDATE {lease} SET fence = %s WHERE digest = %s"
         self.drop_ended = f"DELETE FROM {slot} WHERE digest = %s AND expires_at_us <= {now}"
         self.rows = f"SELECT owner, slot_limit, weight, token FROM {slot} WHERE digest = %s"
+        # The rows that drop_ended keeps (SQLite inside the caller's atomic(): read first).
+        self.live_rows = f"{self.rows} AND expires_at_us > {now}"
         self.forget = f"DELETE FROM {slot} WHERE digest = %s AND owner = %s"
         # params: digest, namespace, name, owner, limit, weight, token, ttl (us), holder
         self.insert = (
@@ -134,9 +142,13 @@ class DatabaseSlots(BaseLockBackend):
     if TYPE_CHECKING:
         database: str
 
+        _bound: dict[str, BaseDatabaseWrapper]
+
         def _key(self, name: str) -> str: ...
         def _connection(self, owner: str | None = None) -> BaseDatabaseWrapper: ...
-        def _private(self) -> BaseDatabaseWrapper: ...
+        def _bind(self, owner: str, connection: BaseDatabaseWrapper) -> None: ...
+        def _unbind(self, owner: str) -> None: ...
+        def _in_transaction(self, name: str, what: str) -> LockInTransaction: ...
         def _run(
             self,
             name: str,
@@ -159,20 +171,6 @@ class DatabaseSlots(BaseLockBackend):
             sql = cache[connection.vendor] = _SQL(connection)
         return sql
 
-    def _slot_connection(self) -> BaseDatabaseWrapper:
-        """As the mutex's, but a private one inside ``atomic()`` on SQLite too."""
-        connection = connections[self.database]
-        if connection.vendor != "sqlite" or not connection.in_atomic_block:
-            return self._connection()
-        private = self._private()
-        if private.connection is None:
-            private.ensure_connection()
-            # The caller's transaction may hold SQLite's write lock, which no
-            # wait here can outlast: find out in a fraction of a second.
-            with private.cursor() as cursor:
-                cursor.execute(f"PRAGMA busy_timeout = {PRIVATE_BUSY_TIMEOUT_MS}")
-        return private
-
     def _counter_key(self, name: str) -> str:
         return hashlib.sha256(f"slots\0{self.key_prefix}\0{name}".encode()).hexdigest()
 
@@ -182,18 +180,24 @@ class DatabaseSlots(BaseLockBackend):
         fn: Callable[[_SQL, Any], T],
         transaction: bool = False,
         refuse_busy: bool = False,
+        owner: str | None = None,
     ) -> T:
         """``fn(sql, cursor)`` on the slot connection, in a transaction of its own if asked.
+
+        The connection is the mutex's (``_connection(owner)``): on SQLite
+        inside ``atomic()`` the caller's, joining its transaction (no
+        transaction of its own then), or the one ``owner``'s lease is bound to.
 
         ``refuse_busy``: on PostgreSQL and MySQL, a statement that waited for a
         row lock past ``sql.LOCK_WAIT`` makes this return None (an acquisition:
         refused, and tried again by its loop until its timeout), not retried.
         """
-        connection = self._slot_connection()
+        connection = self._connection(owner)
+        joined = connection.vendor == "sqlite" and connection.in_atomic_block
 
         def run(conn: BaseDatabaseWrapper, statements: Any, cursor: Any) -> T:
             sql = self._slot_sql(conn)
-            if not transaction:
+            if not transaction or joined:
                 return fn(sql, cursor)
             # A holder paused inside this transaction would keep the counter
             # row locked for as long as it is paused: the server ends it once
@@ -228,32 +232,52 @@ class DatabaseSlots(BaseLockBackend):
                         cursor.execute("SET SESSION idle_transaction_timeout = @dlock_idle")
             return result
 
+        if joined:
+            # SQLite inside the caller's atomic(): another writer has the
+            # database, and it may be waiting for this transaction to end. No
+            # wait here can outlast it: refuse at once, as the mutex does.
+            try:
+                return self._run(name, run, connection=connection)
+            except Busy as e:
+                raise self._in_transaction(
+                    name,
+                    "cannot be written: another writer has the database, and it may be "
+                    "waiting for this transaction to end (waiting for it would deadlock)",
+                ) from e.__cause__
         if connection.vendor != "sqlite" and refuse_busy:
             try:
                 return self._run(name, run, connection=connection)
             except Busy:
                 return cast(T, None)  # refuse_busy: only for a T that may be None
-        if connection.vendor != "sqlite" or connection is connections[self.database]:
-            return self._retry_busy(name, run, connection=connection)
-        # SQLite inside the caller's atomic(): once that transaction has read
-        # (a shared lock) or written, this connection cannot commit until it
-        # ends, and no retry can outlast it. Refuse at once, as the mutex does.
-        try:
-            return self._run(name, run, connection=connection)
-        except Busy as e:
-            raise LockInTransaction(
-                f"Semaphore {name!r} on backend {self.alias!r} cannot be written: this "
-                "transaction has read or written the database, and SQLite lets no other "
-                "connection commit until it ends. Take it before entering "
-                "transaction.atomic().",
-                name=name,
-                backend=self.alias,
-            ) from e.__cause__
+        return self._retry_busy(name, run, connection=connection)
 
     def do_acquire_slot(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool, limit: int, weight: int
     ) -> int | None:
         digest, counter = self._key(name), self._counter_key(name)
+        connection = connections[self.database]
+        joined = connection.vendor == "sqlite" and connection.in_atomic_block
+
+        def fits(rows: list[tuple[Any, int, int, Any]]) -> bool:
+            other = next((lim for _, lim, _, _ in rows if lim != limit), None)
+            if other is not None:
+                raise self.limit_mismatch(name, limit, other)
+            used = sum(w for _, _, w, t in rows if t is not None)
+            writer_waits = weight < limit and any(t is None and w == limit for _, _, w, t in rows)
+            return used + weight <= limit and not writer_waits
+
+        def others(cursor: Any) -> list[tuple[Any, int, int, Any]]:
+            return [(o, int(lim), int(w), t) for o, lim, w, t in cursor.fetchall() if o != owner]
+
+        def grant(sql: _SQL, cursor: Any, fence: int) -> int:
+            # SQLite: a rolled-back grant's token is not issued again (see above).
+            token = max(fence + 1, wall_us()) if sql.vendor == "sqlite" else fence + 1
+            cursor.execute(sql.set_counter, [token, counter])
+            cursor.execute(
+                sql.insert,
+                [digest, self.key_prefix, name, owner, limit, weight, token, micros(ttl), holder],
+            )
+            return token
 
         def run(sql: _SQL, cursor: Any) -> int | None:
             # Lock the counter row; create it first only if missing (an INSERT
@@ -268,44 +292,81 @@ class DatabaseSlots(BaseLockBackend):
             fence = int(row[0])
             cursor.execute(sql.drop_ended, [digest])
             cursor.execute(sql.rows, [digest])
-            rows = [(o, int(lim), int(w), t) for o, lim, w, t in cursor.fetchall() if o != owner]
-            other = next((lim for _, lim, _, _ in rows if lim != limit), None)
-            if other is not None:
-                raise self.limit_mismatch(name, limit, other)
-            used = sum(w for _, _, w, t in rows if t is not None)
-            writer_waits = weight < limit and any(t is None and w == limit for _, _, w, t in rows)
+            free = fits(others(cursor))
             cursor.execute(sql.forget, [digest, owner])
-            values = [digest, self.key_prefix, name, owner, limit, weight]
-            if used + weight > limit or writer_waits:
+            if not free:
+                values = [digest, self.key_prefix, name, owner, limit, weight]
                 cursor.execute(sql.insert, [*values, None, micros(ttl), ""])
                 return None
-            token = fence + 1
-            cursor.execute(sql.set_counter, [token, counter])
-            cursor.execute(sql.insert, [*values, token, micros(ttl), holder])
-            return token
+            return grant(sql, cursor, fence)
 
+        def in_callers_transaction(sql: _SQL, cursor: Any) -> int:
+            # Read first, write only once granted: a refused attempt that
+            # wrote would hold SQLite's write lock for the caller's whole
+            # transaction, and the holders could not release meanwhile.
+            cursor.execute(sql.live_rows, [digest])
+            if not fits(others(cursor)):
+                raise self._in_transaction(
+                    name,
+                    "has no free slot, and a transaction on SQLite cannot wait for one: "
+                    "a holder's release could wait for this transaction",
+                )
+            cursor.execute(sql.counter_row, [counter, self.key_prefix, name])
+            cursor.execute(sql.lock_counter, [counter])
+            fence = int(cursor.fetchone()[0])
+            cursor.execute(sql.drop_ended, [digest])
+            cursor.execute(sql.forget, [digest, owner])
+            return grant(sql, cursor, fence)
+
+        if joined:
+            token = self._slot_call(name, in_callers_transaction)
+            # Bound until the transaction ends, as the mutex's lease is.
+            self._bind(owner, connection)
+            return token
         return self._slot_call(name, run, transaction=True, refuse_busy=True)
 
-    def _slot_rowcount(self, name: str, statement: str, params: list[Any]) -> int:
+    def _slot_rowcount(
+        self, name: str, statement: str, params: list[Any], owner: str | None = None
+    ) -> int:
         def run(sql: _SQL, cursor: Any) -> int:
             cursor.execute(getattr(sql, statement), params)
             return int(cursor.rowcount)
 
-        return self._slot_call(name, run)
+        return self._slot_call(name, run, owner=owner)
 
     def do_leave_slot(self, name: str, owner: str) -> None:
-        self._slot_rowcount(name, "leave", [self._key(name), owner])
+        self._slot_rowcount(name, "leave", [self._key(name), owner], owner)
 
     def do_release_slot(self, name: str, owner: str) -> bool:
+        connection = self._connection(owner)
+        # Joined the caller's transaction though taken outside it (not bound).
+        unbound_join = (
+            owner not in self._bound
+            and connection.vendor == "sqlite"
+            and connection.in_atomic_block
+        )
+        until = time.monotonic() + RELEASE_LATER_FOR
         try:
-            return self._slot_rowcount(name, "release", [self._key(name), owner]) == 1
+            released = self._slot_rowcount(name, "release", [self._key(name), owner], owner) == 1
         except LockInTransaction:
-            # SQLite, inside the caller's atomic() that has written: its
-            # transaction holds the write lock. Raising here would roll back
-            # the caller's work; the release is finished off this thread as
-            # soon as that transaction ends (or the lease runs out first).
-            self._release_later(name, owner, time.monotonic() + RELEASE_LATER_FOR)
+            # SQLite, inside the caller's atomic() that has not written: another
+            # writer has the database. Raising here would roll back the
+            # caller's work; the release is finished off this thread as soon
+            # as that writer and this transaction let it (or the lease runs out).
+            self._release_later(name, owner, until)
             return True
+        finally:
+            self._unbind(owner)
+        if released and unbound_join:
+            # A slot taken before the caller's transaction, released inside it:
+            # a rollback would undo the release. Released again (a no-op after
+            # a commit) from the renewal thread once the transaction ends.
+            from .database import at_transaction_end
+
+            at_transaction_end(
+                connection, functools.partial(self._release_later, name, owner, until)
+            )
+        return released
 
     def _release_later(self, name: str, owner: str, until: float) -> None:
         from ..watchdog import get_watchdog
@@ -326,14 +387,15 @@ class DatabaseSlots(BaseLockBackend):
         )
 
     def do_extend_slot(self, name: str, owner: str, ttl: float) -> bool:
-        return self._slot_rowcount(name, "extend", [micros(ttl), self._key(name), owner]) == 1
+        params = [micros(ttl), self._key(name), owner]
+        return self._slot_rowcount(name, "extend", params, owner) == 1
 
     def do_check_slot(self, name: str, owner: str) -> bool:
         def run(sql: _SQL, cursor: Any) -> bool:
             cursor.execute(sql.check, [self._key(name), owner])
             return cursor.fetchone() is not None
 
-        return self._slot_call(name, run)
+        return self._slot_call(name, run, owner=owner)
 
     def do_break_slot(self, name: str, token: int | None) -> int:
         if token is None:
