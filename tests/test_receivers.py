@@ -249,7 +249,10 @@ def test_lock_released_after_a_loss_stays_behind_the_queued_lock_lost(
         get_watchdog().renewer(b).submit(lambda: later._mark_lost("marked lost by the test"))
         while not later.lost and time.monotonic() < deadline:
             time.sleep(0.02)
-        later.release()  # granted: lock_released, queued behind lock_lost
+        # Granted: lock_released, queued behind lock_lost; then LockLost, as
+        # the handle had been declared lost (issue 28 #2: never a quiet end).
+        with pytest.raises(LockLost, match="declared lost"):
+            later.release()
         assert order == [("lost", "slow")]
         finish.set()
         assert get_dispatcher().wait_idle(10)
