@@ -38,6 +38,8 @@ from ._validation import validate_name, validate_ttl
 from .dispatch import get_dispatcher, send_robust
 from .exceptions import BackendUnavailable, LockLost, LockNotOwned
 from .keys import acquiring_template
+from .leases import DETACHED, HELD, LOST, RELEASED, LeaseAccounting, Request
+from .leases import RETRY_FRACTION as RETRY_FRACTION
 from .signals import lock_acquired, lock_detached, lock_lost, lock_released
 from .watchdog import get_watchdog
 
@@ -46,14 +48,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_dlock")
 
-_HELD, _RELEASED, _LOST, _DETACHED = "held", "released", "lost", "detached"
 _INHERITED = "was inherited through fork(): the lease belongs to the parent process"
 
 #: Version of the ticket that ``HeldLock.detach()`` returns and ``adopt()`` reads.
 TICKET_VERSION = 1
-
-#: Seconds between renewal retries after an error, as a fraction of the TTL.
-RETRY_FRACTION = 0.1
 
 # Bumped in a child after fork(): a handle made before the fork belongs to the
 # parent, and the child must neither release nor renew its lease.
@@ -119,7 +117,7 @@ class Ticket:
         return cls(alias, name, owner, token, ttl, holder, ticket.get("state"))
 
 
-class HeldLock:
+class HeldLock(LeaseAccounting):
     """A lease that was granted: its name, fencing token and owner.
 
     Use :meth:`ensure` before work that depends on still holding the lock,
@@ -156,11 +154,6 @@ class HeldLock:
     renewing: bool
     #: The watchdog's: bumped whenever it (re)schedules or cancels this handle.
     watchdog_generation: int
-    _expiry_cell: list[float]
-    #: The request whose reply the estimate rests on: (sent, ttl, lease length).
-    _confirmed: tuple[float, float]
-    #: Requests sent (extends and renewals) that might still land after it.
-    _requests: list[_Request]
 
     def __init__(
         self,
@@ -205,7 +198,7 @@ class HeldLock:
         self.acquired_at = time.monotonic()
         self.template = acquiring_template.get()
         self._mutex = threading.Lock()
-        self._state = _HELD
+        self._state = HELD
         # ``expires`` is when the lease ends at the earliest by our clock (for a
         # plain grant: when we sent the request, plus the TTL, since the
         # service started counting no earlier than that).
@@ -260,12 +253,12 @@ class HeldLock:
 
     @property
     def released(self) -> bool:
-        return self._state == _RELEASED
+        return self._state == RELEASED
 
     @property
     def detached(self) -> bool:
         """True once :meth:`detach` handed the lease to whoever adopts its ticket."""
-        return self._state == _DETACHED
+        return self._state == DETACHED
 
     @property
     def lost(self) -> bool:
@@ -273,7 +266,7 @@ class HeldLock:
 
         Local knowledge only; :meth:`ensure` asks the lock service.
         """
-        return self._state == _LOST or (self._state == _HELD and self.expires_in <= 0)
+        return self._state == LOST or (self._state == HELD and self.expires_in <= 0)
 
     @property
     def expires_at(self) -> float:
@@ -303,9 +296,9 @@ class HeldLock:
     def _before_ensure(self) -> None:
         if self.inherited:
             raise self._error(LockLost, _INHERITED)
-        if self._state in (_RELEASED, _DETACHED):
+        if self._state in (RELEASED, DETACHED):
             raise self._error(LockLost, f"was {self._state}")
-        if self._state == _LOST:
+        if self._state == LOST:
             raise self._error(LockLost, f"was lost: {self.lost_reason}")
         if self.expires_in <= 0:
             self._mark_lost("its lease ran out before it could be renewed")
@@ -333,13 +326,13 @@ class HeldLock:
         ttl = self.ttl if ttl is None else validate_ttl(ttl)
         if self.inherited:
             raise self._error(LockNotOwned, f"cannot be extended: it {_INHERITED}")
-        if self._state != _HELD:
+        if self._state != HELD:
             raise self._error(LockNotOwned, f"cannot be extended: it was {self._state}")
         # The renewal basis from now on: a renewal sent after this one carries it.
         self.ttl = ttl
         return ttl
 
-    def _after_extend(self, extended: bool, request: _Request) -> None:
+    def _after_extend(self, extended: bool, request: Request) -> None:
         self._answered(request, extended)
         if not extended:
             self._mark_lost("extend was refused: the lease expired or was broken")
@@ -365,10 +358,10 @@ class HeldLock:
         if self.inherited:
             return None
         with self._mutex:
-            if self._state in (_RELEASED, _DETACHED):
+            if self._state in (RELEASED, DETACHED):
                 return None
-            was_lost = self._state == _LOST
-            self._state = _RELEASED
+            was_lost = self._state == LOST
+            self._state = RELEASED
         # Stop renewing first: if the release cannot reach the service, the
         # lease must still run out rather than be kept alive by the watchdog.
         get_watchdog().cancel(self)
@@ -480,16 +473,16 @@ class HeldLock:
         if self.inherited:
             raise self._error(LockNotOwned, f"cannot be detached: it {_INHERITED}")
         with self._mutex:
-            if self._state != _HELD:
+            if self._state != HELD:
                 raise self._error(LockNotOwned, f"cannot be detached: it was {self._state}")
-            self._state = _DETACHED
+            self._state = DETACHED
         get_watchdog().cancel(self)
         self._remembered()
         try:
             state = self.backend.do_detach(self.name, self.owner)
         except BaseException:
             with self._mutex:
-                self._state = _HELD
+                self._state = HELD
             if self._renew_enabled:
                 get_watchdog().schedule(self, 0)
             raise
@@ -530,9 +523,9 @@ class HeldLock:
 
     def _mark_lost(self, reason: str) -> None:
         with self._mutex:
-            if self._state != _HELD:
+            if self._state != HELD:
                 return
-            self._state = _LOST
+            self._state = LOST
             self.lost_reason = reason
         get_watchdog().cancel(self)
         self._remembered()
@@ -592,134 +585,6 @@ class HeldLock:
                 held_for=time.monotonic() - self.acquired_at,
             ),
         )
-
-    # --- the watchdog's side: only ``watchdog.py`` calls these -----------------------
-
-    def on_watchdog(self, due: float) -> None:
-        """The watchdog thread's turn (the renewal was due at ``due``): queue a renewal.
-
-        It never waits on the lock service: the backend's renewal thread
-        (``watchdog.Renewer``) sends it, in a batch, and marks the lease lost
-        if it runs out before its renewal comes back.
-        """
-        if self._state != _HELD or self.renewing:
-            return
-        self.renewing = True
-        get_watchdog().renewer(self.alias).add(self, due)
-
-    def renewal_wanted(self) -> bool:
-        """Whether a queued renewal is still to be sent (False once released or lost)."""
-        if self._state == _HELD:
-            return True
-        self.renewing = False
-        return False
-
-    def renewal_lost(self, reason: str) -> None:
-        """The lease ran out before its renewal was sent, or came back."""
-        self.renewing = False
-        self._mark_lost(reason)
-
-    def renewal_sending(self) -> _Request:
-        """The renewal thread sends a renewal now, with the handle's TTL: its record."""
-        return self._sending(self.ttl)
-
-    def renewal_done(self, request: _Request, result: bool | Exception) -> Exception | None:
-        """What the renewal ``request`` returned; the error if it raised one."""
-        self.renewing = False
-        if isinstance(result, Exception):
-            self._answered(request, None)
-            if self._state != _HELD:
-                return None
-            remaining = self.expires_in
-            if remaining <= 0:
-                self._mark_lost(f"renewal failed until the lease ran out: {result!r}")
-            else:
-                delay = min(self.ttl * RETRY_FRACTION, remaining / 2, 1.0)
-                get_watchdog().schedule(self, delay)
-            return result
-        self._answered(request, result)
-        if self._state == _HELD and not result:
-            self._mark_lost("renewal was refused: the lease expired or was broken")
-        return None
-
-    # --- the lease accounting: the estimate is never later than the service's end ---
-    #
-    # A request (a hand extend or a renewal) sent at ``sent`` with ``ttl`` that
-    # lands on the service sets the lease's end to at least ``sent + ttl``
-    # (it lands no earlier than it was sent). The estimate rests on the
-    # confirmed request sent last, C, and is lowered by every request that may
-    # have landed after C (one still in flight, one that failed after C was
-    # sent, one answered after C was sent): such a request R landed no
-    # earlier than C was sent, so the end is at least ``C.sent + R.ttl``. A
-    # reply sent before C's changes nothing else, and a request whose reply
-    # (or error) came before C was sent landed before C. The next renewal is
-    # due a third of the estimated length after C was sent.
-
-    def _sending(self, ttl: float) -> _Request:
-        """Record a request about to be sent with ``ttl``: until answered it may land any time."""
-        request = _Request(time.monotonic(), ttl)
-        with self._mutex:
-            self._requests.append(request)
-            end = request.sent + ttl - self.backend.drift(ttl)
-            if end >= self._expires:
-                return request
-            # A shorter TTL: the lease may end sooner from the moment it lands.
-            self._set_expires(end)
-            renewing = self.renewing
-        self._reschedule(renewing, ttl / 3, end)
-        return request
-
-    def _answered(self, request: _Request, granted: bool | None) -> None:
-        """``request`` was granted (True), refused (False) or failed (None, it may have landed)."""
-        now = time.monotonic()
-        with self._mutex:
-            if request.answered is None:
-                request.answered = now
-            confirmed_sent, confirmed_ttl = self._confirmed
-            if granted and request.sent >= confirmed_sent:
-                self._confirmed = confirmed_sent, confirmed_ttl = request.sent, request.ttl
-            drift = self.backend.drift
-            end = confirmed_sent + confirmed_ttl - drift(confirmed_ttl)
-            kept = []
-            for other in self._requests:
-                if other.answered is not None and other.answered <= confirmed_sent:
-                    continue  # answered before C was sent: it landed before C
-                kept.append(other)
-                end = min(end, max(other.sent, confirmed_sent) + other.ttl - drift(other.ttl))
-            self._requests = kept
-            if self._state != _HELD:
-                return
-            sooner = end < self._expires
-            self._set_expires(end)
-            due = confirmed_sent + (end - confirmed_sent) / 3
-            renewing = self.renewing
-        if not renewing or sooner:
-            self._reschedule(renewing, max(0.0, due - now), end)
-
-    def _reschedule(self, renewing: bool, delay: float, end: float) -> None:
-        """Renew in ``delay`` s; or, with a renewal under way, judge it at its new ``end``."""
-        if renewing:
-            get_watchdog().renewer(self.alias).judge_by(self, end)
-        elif self._renew_enabled:
-            get_watchdog().schedule(self, delay)
-
-    def _set_expires(self, end: float) -> None:
-        """Under the mutex."""
-        self._expires = end
-        if self._forgotten is not None:
-            self._expiry_cell[0] = end
-
-
-class _Request:
-    """An extend or renewal of a handle: sent at ``sent`` (``time.monotonic()``) with ``ttl``."""
-
-    __slots__ = ("answered", "sent", "ttl")
-
-    def __init__(self, sent: float, ttl: float) -> None:
-        self.sent = sent
-        self.ttl = ttl
-        #: When its reply or error came back; None while in flight.
-        self.answered: float | None = None
 
 
 #: Releases whose caller was cancelled, kept referenced until they are done.

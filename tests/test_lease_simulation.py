@@ -3,8 +3,8 @@
 The real ``HeldLock``, ``Watchdog`` (its heap, its timers, the renewal
 thread's judge) and ``Renewer`` (``_take``/``_send``, the renewal thread's
 round) run against a scripted lock server. Time is virtual: ``time`` in
-``django_dlock.handle`` and ``django_dlock.watchdog`` is replaced by a clock
-the test advances in ticks. Calls that wait on the server (the renewal
+``django_dlock.handle``, ``.leases``, ``.watchdog`` and ``.renewer`` is
+replaced by a clock the test advances in ticks. Calls that wait on the server (the renewal
 thread's batch, a hand ``extend()``, ``release()``, ``ensure()``) run in
 threads that block until the simulation delivers their request and reply;
 the main thread waits for each to block or finish before the next tick, so a
@@ -58,6 +58,12 @@ from hypothesis import strategies as st
 
 from django_dlock import handle as handle_mod
 from django_dlock import watchdog as watchdog_mod
+
+try:
+    from django_dlock import leases as leases_mod
+    from django_dlock import renewer as renewer_mod
+except ImportError:  # a893e4f, before they were split out of handle.py and watchdog.py
+    leases_mod = renewer_mod = None
 from django_dlock.exceptions import BackendUnavailable, LockLost
 from django_dlock.handle import HeldLock
 from django_dlock.signals import lock_lost
@@ -171,9 +177,13 @@ class Simulation:
             return real_watchdog()
 
         fake_time = types.SimpleNamespace(monotonic=monotonic)
-        monkeypatch.setattr(handle_mod, "time", fake_time)
-        monkeypatch.setattr(watchdog_mod, "time", fake_time)
-        monkeypatch.setattr(handle_mod, "get_watchdog", get_watchdog)
+        # Every module of the lease machinery that reads the clock or the watchdog.
+        for module in (handle_mod, leases_mod, watchdog_mod, renewer_mod):
+            if module is not None:
+                monkeypatch.setattr(module, "time", fake_time)
+        for module in (handle_mod, leases_mod):
+            if module is not None:
+                monkeypatch.setattr(module, "get_watchdog", get_watchdog)
         self.watchdog = watchdog_mod.Watchdog()
         self.watchdog._thread = threading.current_thread()  # no thread of its own: we drive it
         self.renewer = self.watchdog.renewer("sim")
