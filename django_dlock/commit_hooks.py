@@ -19,6 +19,7 @@ cannot depend on being held, and the transaction has committed by then.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,3 +35,35 @@ def on_commit_first(connection: Any, callback: Callable[[], None]) -> None:
     connection.on_commit(callback, robust=True)
     if len(hooks) == count + 1 and connection.run_on_commit is hooks:
         hooks.insert(0, hooks.pop())
+
+
+class _AtTransactionEnd:
+    """An ``on_commit`` callback that calls back at the commit, or when Django drops it uncalled.
+
+    Django drops the callbacks of a transaction that rolls back (or of a
+    connection it closes); CPython frees the dropped callback at once, and
+    its finalizer calls back then, inside Django's rollback: the callback
+    must run no statement on that connection. Dropped with a savepoint that
+    rolled back, it moves to the transaction around it.
+    """
+
+    def __init__(self, connection: Any, callback: Callable[[], None]) -> None:
+        self._finalizer = weakref.finalize(self, _ended, weakref.ref(connection), callback)
+        self._finalizer.atexit = False
+
+    def __call__(self) -> None:
+        self._finalizer()
+
+
+def _ended(ref: weakref.ref[Any], callback: Callable[[], None]) -> None:
+    connection = ref()
+    if connection is not None and connection.in_atomic_block and connection.connection is not None:
+        on_commit_first(connection, _AtTransactionEnd(connection, callback))
+    else:
+        callback()
+
+
+def at_transaction_end(connection: Any, callback: Callable[[], None]) -> None:
+    """``callback()`` when the transaction open on ``connection`` commits or rolls back."""
+    # First: a failing on_commit hook of the application must not skip it.
+    on_commit_first(connection, _AtTransactionEnd(connection, callback))

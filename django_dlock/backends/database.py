@@ -58,7 +58,6 @@ import functools
 import hashlib
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -70,7 +69,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseError, IntegrityError, InterfaceError, OperationalError
 
 from .._validation import load_holder, micros_to_datetime
-from ..commit_hooks import on_commit_first
+from ..commit_hooks import at_transaction_end
 from ..exceptions import BackendUnavailable, LockConfigurationError, LockInTransaction
 from .base import BaseLockBackend, LockInfo
 from .database_slots import DatabaseSlots
@@ -118,38 +117,6 @@ def _transient(error: Exception) -> bool:
         return False
     text = str(error)
     return not any(refused in text for refused in _PG_REFUSED_TEXT)
-
-
-class _AtTransactionEnd:
-    """An ``on_commit`` callback that calls back at the commit, or when Django drops it uncalled.
-
-    Django drops the callbacks of a transaction that rolls back (or of a
-    connection it closes); CPython frees the dropped callback at once, and
-    its finalizer calls back then, inside Django's rollback: the callback
-    must run no statement on that connection. Dropped with a savepoint that
-    rolled back, it moves to the transaction around it.
-    """
-
-    def __init__(self, connection: BaseDatabaseWrapper, callback: Callable[[], None]) -> None:
-        self._finalizer = weakref.finalize(self, _ended, weakref.ref(connection), callback)
-        self._finalizer.atexit = False
-
-    def __call__(self) -> None:
-        self._finalizer()
-
-
-def _ended(ref: weakref.ref[BaseDatabaseWrapper], callback: Callable[[], None]) -> None:
-    connection = ref()
-    if connection is not None and connection.in_atomic_block and connection.connection is not None:
-        on_commit_first(connection, _AtTransactionEnd(connection, callback))
-    else:
-        callback()
-
-
-def at_transaction_end(connection: BaseDatabaseWrapper, callback: Callable[[], None]) -> None:
-    """``callback()`` when the transaction open on ``connection`` commits or rolls back."""
-    # First: a failing on_commit hook of the application must not skip it.
-    on_commit_first(connection, _AtTransactionEnd(connection, callback))
 
 
 class DatabaseBackend(DatabaseSlots, BaseLockBackend):

@@ -46,6 +46,7 @@ from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from .._validation import load_holder, micros_to_datetime
+from ..commit_hooks import at_transaction_end
 from ..exceptions import LockInTransaction
 from .base import BaseLockBackend, LockInfo, ParkedTask, SlotEntry
 from .sql import BINARY, IDLE_IN_TRANSACTION, SERVER_CLOCK, Busy, micros, wall_us
@@ -361,8 +362,6 @@ class DatabaseSlots(BaseLockBackend):
             # A slot taken before the caller's transaction, released inside it:
             # a rollback would undo the release. Released again (a no-op after
             # a commit) from the renewal thread once the transaction ends.
-            from .database import at_transaction_end
-
             at_transaction_end(
                 connection, functools.partial(self._release_later, name, owner, until)
             )
