@@ -22,7 +22,7 @@ import pytest
 from django.conf import settings
 from django.contrib.admin import AdminSite, ModelAdmin
 from django.db import connections, models, transaction
-from django.db.models.signals import post_save
+from django.db.models.signals import post_save, pre_delete
 
 from django_dlock import LockTimeout, StaleWrite, fencing, lock
 from django_dlock.backends.base import BaseLockBackend
@@ -33,7 +33,9 @@ from tests.models import (
     Document,
     DocumentNote,
     FencedChildOfPlain,
+    FencedNote,
     FencedParent,
+    FencedTag,
     LockedChildOfFenced,
     LockedDocument,
     LockedOrder,
@@ -478,3 +480,63 @@ class LockedPerObjectAdmin(ModelAdmin):  # type: ignore[type-arg]
         with transaction.atomic(using=queryset.db):
             for obj in queryset:
                 obj.delete()
+
+
+# --- review of issue 27: which lease a save reuses, one lock per row, fenced cascades --------
+
+
+@pytest.mark.parametrize("db", DATABASES)
+@pytest.mark.parametrize("how", ["instance", "queryset"])
+@pytest.mark.parametrize("collected", [False, True], ids=["fast-delete", "loaded"])
+def test_a_stale_fenced_delete_does_not_cascade_over_a_newer_holders_rows(
+    db: str, how: str, collected: bool
+) -> None:
+    """Review of issue 27, item 8: only the deleted row's fence was checked, not its cascade's."""
+    doc = Document(title="order")
+    doc.save(fencing_token=5, using=db)
+    note = FencedNote(document=doc, text="by 5")
+    note.save(fencing_token=5, using=db)
+    tag = FencedTag(document=doc)
+    tag.save(fencing_token=5, using=db)
+    note.text = "by 7"
+    note.save(fencing_token=7, using=db)  # B, a newer holder, wrote the note only
+
+    def delete(token: int) -> tuple[int, dict[str, int]]:
+        if how == "instance":
+            stale = Document.objects.using(db).get(pk=doc.pk)
+            return stale.delete(fencing_token=token, using=db)  # type: ignore[no-any-return]
+        return fencing.fenced_delete(Document.objects.using(db).filter(pk=doc.pk), token)
+
+    def loaded(**kwargs: Any) -> None:
+        """A pre_delete receiver: Django loads the rows instead of a bare DELETE."""
+
+    if collected:
+        pre_delete.connect(loaded, sender=FencedNote)
+        pre_delete.connect(loaded, sender=FencedTag)
+    try:
+        with pytest.raises(
+            StaleWrite,
+            match=rf"tests.FencedNote {note.pk}, which the delete cascades to, was written "
+            r"with fencing token 7, newer than 6: this delete is refused",
+        ):
+            delete(6)
+        with transaction.atomic(using=db):  # inside atomic(): refused, and still usable
+            with pytest.raises(StaleWrite):
+                delete(6)
+            Document(title="after").save(fencing_token=8, using=db)
+        assert Document.objects.using(db).get(pk=doc.pk).fence == 5
+        assert FencedNote.objects.using(db).get(pk=note.pk).text == "by 7"
+        assert FencedTag.objects.using(db).get(pk=tag.pk).document_id == doc.pk
+
+        FencedTag.objects.using(db).filter(pk=tag.pk).update(fence=9)  # a newer write
+        with pytest.raises(StaleWrite, match=rf"tests.FencedTag {tag.pk}, which the delete"):
+            delete(8)  # its SET_NULL would have written the tag
+        assert FencedTag.objects.using(db).get(pk=tag.pk).document_id == doc.pk
+        assert FencedNote.objects.using(db).filter(pk=note.pk).exists()
+
+        assert delete(9) == (2, {"tests.Document": 1, "tests.FencedNote": 1})
+    finally:
+        pre_delete.disconnect(loaded, sender=FencedNote)
+        pre_delete.disconnect(loaded, sender=FencedTag)
+    row = FencedTag.objects.using(db).get(pk=tag.pk)
+    assert (row.document_id, row.fence) == (None, 9)
