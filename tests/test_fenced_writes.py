@@ -8,13 +8,16 @@ row in its own database, and on Redis with the row in SQLite.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ from django.contrib.admin import AdminSite, ModelAdmin
 from django.db import connections, models, transaction
 from django.db.models.signals import post_save, pre_delete
 
-from django_dlock import LockTimeout, StaleWrite, fencing, lock
+from django_dlock import LockLost, LockTimeout, StaleWrite, fencing, lock, locks, rwlock, semaphore
 from django_dlock.backends.base import BaseLockBackend
 from django_dlock.fencing import FencedModel
 from django_dlock.saves import instance_lock_name, locked_delete, locked_save
@@ -483,6 +486,117 @@ class LockedPerObjectAdmin(ModelAdmin):  # type: ignore[type-arg]
 
 
 # --- review of issue 27: which lease a save reuses, one lock per row, fenced cascades --------
+
+
+@contextlib.contextmanager
+def _mutex_held_elsewhere(name: str, backend: str) -> Iterator[int]:
+    """Hold the mutex ``name`` on ``backend`` in another thread for the block; its token."""
+    acquired: queue.Queue[int | BaseException] = queue.Queue()
+    leave = threading.Event()
+
+    def hold() -> None:
+        try:
+            with lock(name, backend=backend, timeout=30) as held:
+                acquired.put(held.token)
+                leave.wait(timeout=60)
+        except BaseException as e:
+            acquired.put(e)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        token = acquired.get(timeout=60)
+        if isinstance(token, BaseException):
+            raise token
+        yield token
+    finally:
+        leave.set()
+        thread.join(timeout=30)
+
+
+@pytest.mark.with_default_db
+@REENTRANT
+@pytest.mark.parametrize("kind", ["semaphore", "read", "write", "view"])
+def test_a_slot_or_a_read_write_lease_of_the_name_is_not_the_instances_lock(
+    backend_alias: str, kind: str
+) -> None:
+    """Review of issue 27, item 3: a save reused a slot of the instance's name as its mutex."""
+    from django.http import HttpResponse
+    from django.test import RequestFactory
+
+    from django_dlock.views import lock_view
+
+    order = LockedOrder.objects.create(total=1)
+    order.lock_backend, order.lock_timeout = backend_alias, 0
+    name = instance_lock_name(order)
+    refused: list[str] = []
+
+    def save_and_delete() -> None:
+        order.total = 2
+        with pytest.raises(LockTimeout):
+            order.save()  # wrote while another thread held the mutex
+        with pytest.raises(LockTimeout):
+            order.delete()
+        refused.append(kind)
+
+    with _mutex_held_elsewhere(name, backend_alias):
+        if kind == "view":
+
+            @lock_view(name, backend=backend_alias, limit=3)
+            def view(request: Any) -> Any:
+                save_and_delete()
+                return HttpResponse("ok")
+
+            assert view(RequestFactory().post("/")).status_code == 200
+        else:
+            side = {
+                "semaphore": semaphore(name, limit=3, backend=backend_alias, timeout=10),
+                "read": rwlock(name, backend=backend_alias, timeout=10).read(),
+                "write": rwlock(name, backend=backend_alias, timeout=10).write(),
+            }[kind]
+            with side:
+                save_and_delete()
+    assert refused == [kind]
+    row = LockedOrder.objects.get(pk=order.pk)
+    assert row.total == 1
+    with semaphore(name, limit=3, backend=backend_alias, timeout=10):
+        order.save()  # takes the mutex (free now) and releases it
+    assert LockedOrder.objects.get(pk=order.pk).total == 2
+    assert not _held_elsewhere_on(name, backend_alias)
+
+
+@pytest.mark.with_default_db
+@REENTRANT
+@pytest.mark.parametrize("how", ["broken", "expired"])
+def test_a_save_does_not_reuse_a_lost_lease(
+    backend_alias: str, backend: BaseLockBackend, how: str
+) -> None:
+    """Review of issue 27, item 4: a save inside the block wrote under a lease gone by then."""
+    order = LockedOrder.objects.create(total=1)
+    order.lock_backend, order.lock_timeout = backend_alias, 0
+    name = instance_lock_name(order)
+    ttl = max(0.5, backend.min_ttl)
+    with pytest.raises(LockLost):  # leaving the block: its lease was lost
+        with lock(name, backend=backend_alias, ttl=ttl, renew=False, timeout=10) as held:
+            if how == "broken":
+                assert locks[backend_alias].break_lock(name, token=held.token)
+            else:
+                time.sleep(ttl + backend.expiry_slack + 0.2)  # the lease runs out, unrenewed
+            with _mutex_held_elsewhere(name, backend_alias) as other:
+                assert other > held.token
+                order.total = 99
+                with pytest.raises(LockLost):
+                    order.save()  # wrote while the other thread held the lock
+                with pytest.raises(LockLost):
+                    order.delete()
+                with pytest.raises(LockLost):
+                    locked_save(order, backend=backend_alias, timeout=0)
+                row = LockedOrder.objects.get(pk=order.pk)
+                assert (row.total, row.fence) == (1, 0)
+    order.save()  # a new lease
+    assert LockedOrder.objects.get(pk=order.pk).total == 99
 
 
 @pytest.mark.parametrize("db", DATABASES)
