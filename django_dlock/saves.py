@@ -57,10 +57,27 @@ class _InstanceValues:
 
     def __getitem__(self, key: str) -> Any:
         if key == "app_label":
-            return self.instance._meta.app_label
+            return row_model(type(self.instance))._meta.app_label
         if key == "model_name":
-            return self.instance._meta.model_name
+            return row_model(type(self.instance))._meta.model_name
         return getattr(self.instance, key)
+
+
+def row_model(model: type[models.Model]) -> type[models.Model]:
+    """The model whose table holds ``model``'s primary key row: the root of its chain.
+
+    A proxy's concrete model; with multi-table inheritance, the topmost
+    parent the primary key links to (a child's primary key is the link to
+    its parent's row). A ``Restaurant(Place)``, a proxy of either and the
+    ``Place`` itself name one row, so they name one lock.
+    """
+    model = model._meta.concrete_model or model
+    while True:
+        pk = model._meta.pk
+        remote = getattr(pk, "remote_field", None)
+        if pk is None or remote is None or not getattr(remote, "parent_link", False):
+            return model
+        model = remote.model._meta.concrete_model
 
 
 def _needs_pk(instance: models.Model, template: str) -> bool:

@@ -114,3 +114,27 @@ class FencedTag(FencedModel):
 
     def __str__(self) -> str:
         return str(self.pk)
+
+
+class LockedPlace(LockedSaveMixin, FencedModel):
+    """Multi-table inheritance under LockedSaveMixin: a parent, its child and a proxy."""
+
+    lock_backend = "locmem"
+    visits = models.IntegerField(default=0)
+
+    def __str__(self) -> str:
+        return str(self.visits)
+
+
+class LockedRestaurant(LockedPlace):
+    menu = models.CharField(max_length=100, default="")
+
+
+class LockedPlaceProxy(LockedPlace):
+    class Meta:
+        proxy = True
+
+
+class LockedRestaurantProxy(LockedRestaurant):
+    class Meta:
+        proxy = True

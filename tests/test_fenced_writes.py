@@ -42,6 +42,10 @@ from tests.models import (
     LockedChildOfFenced,
     LockedDocument,
     LockedOrder,
+    LockedPlace,
+    LockedPlaceProxy,
+    LockedRestaurant,
+    LockedRestaurantProxy,
     PlainParent,
 )
 from tests.test_fencing import DATABASES, _held_elsewhere, held_by_another_thread
@@ -597,6 +601,39 @@ def test_a_save_does_not_reuse_a_lost_lease(
                 assert (row.total, row.fence) == (1, 0)
     order.save()  # a new lease
     assert LockedOrder.objects.get(pk=order.pk).total == 99
+
+
+@pytest.mark.parametrize("db", DATABASES)
+def test_a_parent_its_child_and_their_proxies_take_the_rows_one_lock(db: str) -> None:
+    """Review of issue 27, item 6: ``tests.lockedplace:1`` and ``tests.lockedrestaurant:1``."""
+    restaurant = LockedRestaurant.objects.using(db).create(menu="m")
+    pk = restaurant.pk
+    views = [
+        restaurant,
+        LockedPlace.objects.using(db).get(pk=pk),
+        LockedPlaceProxy.objects.using(db).get(pk=pk),
+        LockedRestaurantProxy.objects.using(db).get(pk=pk),
+    ]
+    assert {instance_lock_name(obj) for obj in views} == {f"tests.lockedplace:{pk}"}
+    assert instance_lock_name(restaurant, "{model_name}") == "lockedplace"
+    with _mutex_held_elsewhere(instance_lock_name(views[1]), "locmem"):
+        for obj in views:
+            obj.lock_timeout = 0  # type: ignore[attr-defined]
+            obj.visits = 5  # type: ignore[attr-defined]
+            with pytest.raises(LockTimeout):
+                obj.save(using=db)  # took another lock and wrote the same row
+            with pytest.raises(LockTimeout):
+                obj.delete(using=db)
+    assert LockedPlace.objects.using(db).get(pk=pk).visits == 0
+
+    # The docs' read-modify-write under the instance's lock, from either side.
+    for obj in views:
+        with lock(instance_lock_name(obj), backend="locmem", timeout=10) as held:
+            obj.refresh_from_db()
+            obj.visits += 1  # type: ignore[attr-defined]
+            obj.save(using=db)  # the block's lease, fenced with its token
+        assert LockedPlace.objects.using(db).get(pk=pk).fence == held.token
+    assert LockedRestaurant.objects.using(db).get(pk=pk).visits == 4
 
 
 @pytest.mark.parametrize("db", DATABASES)
