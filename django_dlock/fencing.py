@@ -24,9 +24,11 @@ of a name, so an equal token is the same lease writing again (a second
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any, TypeVar, cast
 
 from django.db import models, router, transaction
+from django.db.models.deletion import Collector
 
 from .exceptions import StaleWrite
 
@@ -105,20 +107,26 @@ class FencedModel(models.Model):
         """``Model.delete()``; with ``fencing_token``, refused if a newer token wrote the row.
 
         The fence is checked before Django collects what the delete cascades
-        to, in the transaction that deletes it all: a refusal raises
-        ``StaleWrite`` and deletes nothing. A row already gone is deleted
-        again as Django would (nothing of it is left to fence).
+        to, in the transaction that deletes it all; then the fence of every
+        row the delete cascades to, or sets a column of (``SET_NULL``...),
+        that is a ``FencedModel``'s. A refusal raises ``StaleWrite`` and
+        deletes nothing. A row already gone is deleted again as Django would
+        (nothing of it is left to fence).
         """
         if fencing_token is None or self.pk is None:
             return super().delete(*args, **kwargs)
         token = _token(fencing_token)
-        using = (args[0] if args else kwargs.get("using")) or router.db_for_write(
-            type(self), instance=self
-        )
+        using, keep_parents = _delete_arguments(*args, **kwargs)
+        using = using or router.db_for_write(type(self), instance=self)
         # A savepoint inside atomic(): a refusal leaves the transaction usable.
         with transaction.atomic(using=using):
             self._fence_for_delete(using, token)
-            return super().delete(*args, **kwargs)
+            # Model.delete(), with the fence of the cascade checked between
+            # the collection and the DELETEs.
+            collector = Collector(using=using, origin=self)
+            collector.collect([self], keep_parents=keep_parents)
+            _fence_collected(collector, token)
+            return collector.delete()
 
     def _fence_for_delete(self, using: str, token: int) -> None:
         row = _fence_table(type(self))._base_manager.using(using).filter(pk=self.pk)
@@ -243,6 +251,74 @@ def fenced_delete(queryset: models.QuerySet[M], fencing_token: int) -> tuple[int
                 f"{fence}, newer than {token}: this delete is refused.",
             )
         # fence__lte again: a row that appeared since the check is a newer
-        # holder's if its fence is newer, and is left alone.
-        deleted, per_model = queryset.filter(fence__lte=token).delete()
+        # holder's if its fence is newer, and is left alone. Then what
+        # QuerySet.delete() does, with the fence of the cascade checked
+        # between the collection and the DELETEs.
+        rows = queryset.filter(fence__lte=token)
+        if rows.query.distinct_fields or rows._fields is not None:
+            return rows.delete()  # type: ignore[no-any-return]  # raises TypeError
+        rows = rows._chain()
+        rows._for_write = True
+        rows.query.select_for_update = False
+        rows.query.select_related = False
+        rows.query.clear_ordering(force=True)
+        collector = Collector(using=rows.db, origin=queryset)
+        collector.collect(rows)
+        _fence_collected(collector, token)
+        deleted, per_model = collector.delete()
     return deleted, per_model
+
+
+def _delete_arguments(using: Any = None, keep_parents: bool = False) -> tuple[Any, bool]:
+    """``Model.delete()``'s arguments, positional or not."""
+    return using, keep_parents
+
+
+def _fence_collected(collector: Collector, token: int) -> None:
+    """Fence the rows a delete's ``collector`` will delete or update, or raise ``StaleWrite``.
+
+    A delete cascades to rows other than those it was asked to delete: a
+    ``CASCADE`` foreign key's rows, a multi-table child's parent rows, the
+    rows whose foreign key ``SET_NULL`` (or ``SET``...) changes. Each of
+    them that is a ``FencedModel``'s gets ``UPDATE ... SET fence = t WHERE
+    ... AND fence <= t``, which also write-locks it until the delete
+    commits; if one has a newer fence, a newer holder wrote it and the whole
+    delete is refused, in the caller's transaction (rolled back).
+    """
+    pks: dict[type[models.Model], set[Any]] = {}
+    querysets: list[models.QuerySet[Any]] = []
+    for model, instances in collector.data.items():
+        if _is_fenced(model):
+            pks.setdefault(_fence_table(model), set()).update(obj.pk for obj in instances)
+    for qs in collector.fast_deletes:
+        if _is_fenced(qs.model):
+            querysets.append(qs)
+    for (_field, _value), batches in collector.field_updates.items():
+        for batch in batches:
+            if isinstance(batch, models.QuerySet) and batch._result_cache is None:
+                if _is_fenced(batch.model):
+                    querysets.append(batch)
+            else:
+                for obj in cast("Iterable[models.Model]", batch):
+                    if _is_fenced(type(obj)):
+                        pks.setdefault(_fence_table(type(obj)), set()).add(obj.pk)
+    for table, keys in pks.items():
+        rows = table._base_manager.using(collector.using).filter(pk__in=keys)
+        if rows.filter(fence__lte=token).update(fence=token) != len(keys):
+            _refuse_newer(rows, token)  # or some are gone already: nothing to fence
+    for qs in querysets:
+        qs = qs.using(collector.using)
+        qs.filter(fence__lte=token).update(fence=token)
+        _refuse_newer(qs, token)
+
+
+def _is_fenced(model: type[models.Model]) -> bool:
+    return issubclass(model, FencedModel)
+
+
+def _refuse_newer(rows: models.QuerySet[Any], token: int) -> None:
+    for pk, fence in rows.filter(fence__gt=token).values_list("pk", "fence")[:1]:
+        raise StaleWrite(
+            f"{rows.model._meta.label} {pk!r}, which the delete cascades to, was written "
+            f"with fencing token {fence}, newer than {token}: this delete is refused.",
+        )

@@ -22,7 +22,10 @@ lease and its token instead of waiting for itself: a ``post_save`` receiver
 that saves again, two saves in one ``atomic()`` with ``release_on_commit``,
 a save inside ``with lock(instance_lock_name(obj))``, a ``@lock(...)``-decorated
 call, a guarded view or a locked task of the same name. Whoever took the
-lease releases it.
+lease releases it. Only a lease on the mutex is reused: a semaphore's slot
+or a read/write lock's lease of the same name is another lock. The lease is
+confirmed on the lock service first (``held.ensure()``): one that ran out or
+was broken raises ``LockLost`` from the save.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 from django.db import models, router, transaction
 
 from . import conf, keys
+from .backends.slots import SlotView
 from .fencing import FencedModel
 from .handle import HeldLock
 from .lock import leases_here, lock
@@ -53,10 +57,27 @@ class _InstanceValues:
 
     def __getitem__(self, key: str) -> Any:
         if key == "app_label":
-            return self.instance._meta.app_label
+            return row_model(type(self.instance))._meta.app_label
         if key == "model_name":
-            return self.instance._meta.model_name
+            return row_model(type(self.instance))._meta.model_name
         return getattr(self.instance, key)
+
+
+def row_model(model: type[models.Model]) -> type[models.Model]:
+    """The model whose table holds ``model``'s primary key row: the root of its chain.
+
+    A proxy's concrete model; with multi-table inheritance, the topmost
+    parent the primary key links to (a child's primary key is the link to
+    its parent's row). A ``Restaurant(Place)``, a proxy of either and the
+    ``Place`` itself name one row, so they name one lock.
+    """
+    model = model._meta.concrete_model or model
+    while True:
+        pk = model._meta.pk
+        remote = getattr(pk, "remote_field", None)
+        if pk is None or remote is None or not getattr(remote, "parent_link", False):
+            return model
+        model = remote.model._meta.concrete_model
 
 
 def _needs_pk(instance: models.Model, template: str) -> bool:
@@ -153,16 +174,37 @@ def _held_here(backend: str, name: str) -> HeldLock | None:
     or a locked task running here.
     """
     for holding in reversed(_holding.get()):
-        if holding.held.name == name and holding.held.alias == backend and holding.usable():
-            return holding.held
+        if _is_the_mutex(holding.held, backend, name) and holding.usable():
+            return _confirmed(holding.held)
     for held in _context_leases():
-        if (
-            held.name == name
-            and held.alias == backend
-            and not (held.released or held.detached or held.inherited)
+        if _is_the_mutex(held, backend, name) and not (
+            held.released or held.detached or held.inherited
         ):
-            return held
+            return _confirmed(held)
     return None
+
+
+def _is_the_mutex(held: HeldLock, backend: str, name: str) -> bool:
+    """Whether ``held`` is a lease on the mutex ``name`` of ``backend``.
+
+    Not a semaphore's slot nor a read/write lock's lease, read or write, of
+    the same name (``semaphore(name)``, ``rwlock(name)``, a guarded view with
+    a ``limit``): those live in a keyspace of their own, with tokens of their
+    own, and do not keep another thread from holding the mutex.
+    """
+    return held.name == name and held.alias == backend and not isinstance(held.backend, SlotView)
+
+
+def _confirmed(held: HeldLock) -> HeldLock:
+    """``held``, once the lock service confirms it is still ours (``held.ensure()``).
+
+    A lease that ran out, or was broken, raises ``LockLost``: another holder
+    may have the lock now, and writing under the lost lease (or taking a new
+    one behind the back of the code that believes it holds the old) would
+    not be what that code locked for.
+    """
+    held.ensure()
+    return held
 
 
 def _context_leases() -> Iterator[HeldLock]:

@@ -93,3 +93,48 @@ class LockedOrder(LockedSaveMixin, FencedModel):
 
     def __str__(self) -> str:
         return self.status
+
+
+class FencedNote(FencedModel):
+    """A fenced row that a Document's delete cascades to (review of issue 27, item 8)."""
+
+    document = models.ForeignKey(Document, on_delete=models.CASCADE, related_name="fenced_notes")
+    text = models.CharField(max_length=100, default="")
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class FencedTag(FencedModel):
+    """A fenced row whose foreign key a Document's delete sets to NULL."""
+
+    document = models.ForeignKey(
+        Document, on_delete=models.SET_NULL, null=True, related_name="fenced_tags"
+    )
+
+    def __str__(self) -> str:
+        return str(self.pk)
+
+
+class LockedPlace(LockedSaveMixin, FencedModel):
+    """Multi-table inheritance under LockedSaveMixin: a parent, its child and a proxy."""
+
+    lock_backend = "locmem"
+    visits = models.IntegerField(default=0)
+
+    def __str__(self) -> str:
+        return str(self.visits)
+
+
+class LockedRestaurant(LockedPlace):
+    menu = models.CharField(max_length=100, default="")
+
+
+class LockedPlaceProxy(LockedPlace):
+    class Meta:
+        proxy = True
+
+
+class LockedRestaurantProxy(LockedRestaurant):
+    class Meta:
+        proxy = True

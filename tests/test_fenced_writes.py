@@ -8,13 +8,16 @@ row in its own database, and on Redis with the row in SQLite.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +25,9 @@ import pytest
 from django.conf import settings
 from django.contrib.admin import AdminSite, ModelAdmin
 from django.db import connections, models, transaction
-from django.db.models.signals import post_save
+from django.db.models.signals import post_save, pre_delete
 
-from django_dlock import LockTimeout, StaleWrite, fencing, lock
+from django_dlock import LockLost, LockTimeout, StaleWrite, fencing, lock, locks, rwlock, semaphore
 from django_dlock.backends.base import BaseLockBackend
 from django_dlock.fencing import FencedModel
 from django_dlock.saves import instance_lock_name, locked_delete, locked_save
@@ -33,10 +36,16 @@ from tests.models import (
     Document,
     DocumentNote,
     FencedChildOfPlain,
+    FencedNote,
     FencedParent,
+    FencedTag,
     LockedChildOfFenced,
     LockedDocument,
     LockedOrder,
+    LockedPlace,
+    LockedPlaceProxy,
+    LockedRestaurant,
+    LockedRestaurantProxy,
     PlainParent,
 )
 from tests.test_fencing import DATABASES, _held_elsewhere, held_by_another_thread
@@ -478,3 +487,207 @@ class LockedPerObjectAdmin(ModelAdmin):  # type: ignore[type-arg]
         with transaction.atomic(using=queryset.db):
             for obj in queryset:
                 obj.delete()
+
+
+# --- review of issue 27: which lease a save reuses, one lock per row, fenced cascades --------
+
+
+@contextlib.contextmanager
+def _mutex_held_elsewhere(name: str, backend: str) -> Iterator[int]:
+    """Hold the mutex ``name`` on ``backend`` in another thread for the block; its token."""
+    acquired: queue.Queue[int | BaseException] = queue.Queue()
+    leave = threading.Event()
+
+    def hold() -> None:
+        try:
+            with lock(name, backend=backend, timeout=30) as held:
+                acquired.put(held.token)
+                leave.wait(timeout=60)
+        except BaseException as e:
+            acquired.put(e)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        token = acquired.get(timeout=60)
+        if isinstance(token, BaseException):
+            raise token
+        yield token
+    finally:
+        leave.set()
+        thread.join(timeout=30)
+
+
+@pytest.mark.with_default_db
+@REENTRANT
+@pytest.mark.parametrize("kind", ["semaphore", "read", "write", "view"])
+def test_a_slot_or_a_read_write_lease_of_the_name_is_not_the_instances_lock(
+    backend_alias: str, kind: str
+) -> None:
+    """Review of issue 27, item 3: a save reused a slot of the instance's name as its mutex."""
+    from django.http import HttpResponse
+    from django.test import RequestFactory
+
+    from django_dlock.views import lock_view
+
+    order = LockedOrder.objects.create(total=1)
+    order.lock_backend, order.lock_timeout = backend_alias, 0
+    name = instance_lock_name(order)
+    refused: list[str] = []
+
+    def save_and_delete() -> None:
+        order.total = 2
+        with pytest.raises(LockTimeout):
+            order.save()  # wrote while another thread held the mutex
+        with pytest.raises(LockTimeout):
+            order.delete()
+        refused.append(kind)
+
+    with _mutex_held_elsewhere(name, backend_alias):
+        if kind == "view":
+
+            @lock_view(name, backend=backend_alias, limit=3)
+            def view(request: Any) -> Any:
+                save_and_delete()
+                return HttpResponse("ok")
+
+            assert view(RequestFactory().post("/")).status_code == 200
+        else:
+            side = {
+                "semaphore": semaphore(name, limit=3, backend=backend_alias, timeout=10),
+                "read": rwlock(name, backend=backend_alias, timeout=10).read(),
+                "write": rwlock(name, backend=backend_alias, timeout=10).write(),
+            }[kind]
+            with side:
+                save_and_delete()
+    assert refused == [kind]
+    row = LockedOrder.objects.get(pk=order.pk)
+    assert row.total == 1
+    with semaphore(name, limit=3, backend=backend_alias, timeout=10):
+        order.save()  # takes the mutex (free now) and releases it
+    assert LockedOrder.objects.get(pk=order.pk).total == 2
+    assert not _held_elsewhere_on(name, backend_alias)
+
+
+@pytest.mark.with_default_db
+@REENTRANT
+@pytest.mark.parametrize("how", ["broken", "expired"])
+def test_a_save_does_not_reuse_a_lost_lease(
+    backend_alias: str, backend: BaseLockBackend, how: str
+) -> None:
+    """Review of issue 27, item 4: a save inside the block wrote under a lease gone by then."""
+    order = LockedOrder.objects.create(total=1)
+    order.lock_backend, order.lock_timeout = backend_alias, 0
+    name = instance_lock_name(order)
+    ttl = max(0.5, backend.min_ttl)
+    with pytest.raises(LockLost):  # leaving the block: its lease was lost
+        with lock(name, backend=backend_alias, ttl=ttl, renew=False, timeout=10) as held:
+            if how == "broken":
+                assert locks[backend_alias].break_lock(name, token=held.token)
+            else:
+                time.sleep(ttl + backend.expiry_slack + 0.2)  # the lease runs out, unrenewed
+            with _mutex_held_elsewhere(name, backend_alias) as other:
+                assert other > held.token
+                order.total = 99
+                with pytest.raises(LockLost):
+                    order.save()  # wrote while the other thread held the lock
+                with pytest.raises(LockLost):
+                    order.delete()
+                with pytest.raises(LockLost):
+                    locked_save(order, backend=backend_alias, timeout=0)
+                row = LockedOrder.objects.get(pk=order.pk)
+                assert (row.total, row.fence) == (1, 0)
+    order.save()  # a new lease
+    assert LockedOrder.objects.get(pk=order.pk).total == 99
+
+
+@pytest.mark.parametrize("db", DATABASES)
+def test_a_parent_its_child_and_their_proxies_take_the_rows_one_lock(db: str) -> None:
+    """Review of issue 27, item 6: ``tests.lockedplace:1`` and ``tests.lockedrestaurant:1``."""
+    restaurant = LockedRestaurant.objects.using(db).create(menu="m")
+    pk = restaurant.pk
+    views = [
+        restaurant,
+        LockedPlace.objects.using(db).get(pk=pk),
+        LockedPlaceProxy.objects.using(db).get(pk=pk),
+        LockedRestaurantProxy.objects.using(db).get(pk=pk),
+    ]
+    assert {instance_lock_name(obj) for obj in views} == {f"tests.lockedplace:{pk}"}
+    assert instance_lock_name(restaurant, "{model_name}") == "lockedplace"
+    with _mutex_held_elsewhere(instance_lock_name(views[1]), "locmem"):
+        for obj in views:
+            obj.lock_timeout = 0  # type: ignore[attr-defined]
+            obj.visits = 5  # type: ignore[attr-defined]
+            with pytest.raises(LockTimeout):
+                obj.save(using=db)  # took another lock and wrote the same row
+            with pytest.raises(LockTimeout):
+                obj.delete(using=db)
+    assert LockedPlace.objects.using(db).get(pk=pk).visits == 0
+
+    # The docs' read-modify-write under the instance's lock, from either side.
+    for obj in views:
+        with lock(instance_lock_name(obj), backend="locmem", timeout=10) as held:
+            obj.refresh_from_db()
+            obj.visits += 1  # type: ignore[attr-defined]
+            obj.save(using=db)  # the block's lease, fenced with its token
+        assert LockedPlace.objects.using(db).get(pk=pk).fence == held.token
+    assert LockedRestaurant.objects.using(db).get(pk=pk).visits == 4
+
+
+@pytest.mark.parametrize("db", DATABASES)
+@pytest.mark.parametrize("how", ["instance", "queryset"])
+@pytest.mark.parametrize("collected", [False, True], ids=["fast-delete", "loaded"])
+def test_a_stale_fenced_delete_does_not_cascade_over_a_newer_holders_rows(
+    db: str, how: str, collected: bool
+) -> None:
+    """Review of issue 27, item 8: only the deleted row's fence was checked, not its cascade's."""
+    doc = Document(title="order")
+    doc.save(fencing_token=5, using=db)
+    note = FencedNote(document=doc, text="by 5")
+    note.save(fencing_token=5, using=db)
+    tag = FencedTag(document=doc)
+    tag.save(fencing_token=5, using=db)
+    note.text = "by 7"
+    note.save(fencing_token=7, using=db)  # B, a newer holder, wrote the note only
+
+    def delete(token: int) -> tuple[int, dict[str, int]]:
+        if how == "instance":
+            stale = Document.objects.using(db).get(pk=doc.pk)
+            return stale.delete(fencing_token=token, using=db)  # type: ignore[no-any-return]
+        return fencing.fenced_delete(Document.objects.using(db).filter(pk=doc.pk), token)
+
+    def loaded(**kwargs: Any) -> None:
+        """A pre_delete receiver: Django loads the rows instead of a bare DELETE."""
+
+    if collected:
+        pre_delete.connect(loaded, sender=FencedNote)
+        pre_delete.connect(loaded, sender=FencedTag)
+    try:
+        with pytest.raises(
+            StaleWrite,
+            match=rf"tests.FencedNote {note.pk}, which the delete cascades to, was written "
+            r"with fencing token 7, newer than 6: this delete is refused",
+        ):
+            delete(6)
+        with transaction.atomic(using=db):  # inside atomic(): refused, and still usable
+            with pytest.raises(StaleWrite):
+                delete(6)
+            Document(title="after").save(fencing_token=8, using=db)
+        assert Document.objects.using(db).get(pk=doc.pk).fence == 5
+        assert FencedNote.objects.using(db).get(pk=note.pk).text == "by 7"
+        assert FencedTag.objects.using(db).get(pk=tag.pk).document_id == doc.pk
+
+        FencedTag.objects.using(db).filter(pk=tag.pk).update(fence=9)  # a newer write
+        with pytest.raises(StaleWrite, match=rf"tests.FencedTag {tag.pk}, which the delete"):
+            delete(8)  # its SET_NULL would have written the tag
+        assert FencedTag.objects.using(db).get(pk=tag.pk).document_id == doc.pk
+        assert FencedNote.objects.using(db).filter(pk=note.pk).exists()
+
+        assert delete(9) == (2, {"tests.Document": 1, "tests.FencedNote": 1})
+    finally:
+        pre_delete.disconnect(loaded, sender=FencedNote)
+        pre_delete.disconnect(loaded, sender=FencedTag)
+    row = FencedTag.objects.using(db).get(pk=tag.pk)
+    assert (row.document_id, row.fence) == (None, 9)
