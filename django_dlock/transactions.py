@@ -2,9 +2,10 @@
 
 Which transaction: the one the protected writes are in: the database
 ``using`` names, or else the one database whose connection is inside
-``atomic()`` in this thread, whatever the lock's backend. Several open and
-nothing to choose between them raises :class:`AmbiguousTransaction`, never a
-silent release before the commit. Guarded views hold their lock until every
+``atomic()`` in this thread. With several open, a database backend whose own
+database is one of them holds the lock to the end of them all; otherwise
+nothing can choose between them, and :class:`AmbiguousTransaction` is
+raised, never a silent release before the commit. Guarded views hold their lock until every
 transaction open around them has ended (:func:`release_at_transactions_end`)."""
 
 from __future__ import annotations
@@ -145,19 +146,28 @@ def _user_transactions() -> list[str]:
     return sorted(c.alias for c in connections.all(initialized_only=True) if _in_atomic(c))
 
 
-def transaction_to_outlive(
+def _lock_database(backend: BaseLockBackend) -> str | None:
+    """The DATABASES alias the database backend keeps its leases in; None for other backends."""
+    if not backend.uses_django_connections:
+        return None
+    database = getattr(backend, "database", None)
+    return database if isinstance(database, str) else None
+
+
+def transactions_to_outlive(
     backend: BaseLockBackend, using: str | None = None, *, name: str | None = None
-) -> str | None:
-    """The alias whose open transaction a lock on ``backend`` must outlive; None: none is open.
+) -> list[str]:
+    """The aliases whose open transactions a lock on ``backend`` must outlive; [] if none.
 
     ``using`` names the database the protected writes go to; when a
     transaction is open elsewhere but not there, that is a mistake, and
     :class:`AmbiguousTransaction` says so. Without ``using``: the one
-    database inside ``atomic()``, whatever the lock's backend (a database
-    backend's own database included: the writes may go to the other one,
-    which may commit later); several raise :class:`AmbiguousTransaction`.
-    Inside a TestCase, whose transaction never commits, the choice is made
-    the same way, then None: the lock is released with its block.
+    database inside ``atomic()``. With several open, a database backend
+    whose own database is one of them outlives them all (its lease is in
+    one of them, and the writes may be in another, which may commit later);
+    any other backend raises :class:`AmbiguousTransaction`. Inside a
+    TestCase, whose transaction never commits, the choice is made the same
+    way, then left out: the lock is released with its block.
     """
     from django.db import transaction
 
@@ -170,17 +180,15 @@ def transaction_to_outlive(
                 f"is on {_names(open_)}. Pass the alias of the transaction to hold the lock "
                 f"to, using={open_[0]!r} say, or leave the transaction before releasing."
             )
-        chosen = using if using in open_ else None
-    elif len(open_) > 1:
+        chosen = [using] if using in open_ else []
+    elif len(open_) > 1 and _lock_database(backend) not in open_:
         raise AmbiguousTransaction(
             f"{what}: transactions are open on {_names(open_)}; pass using= to name the one "
             "the lock must be held to the end of (the one the protected writes go to)."
         )
     else:
-        chosen = open_[0] if open_ else None
-    if chosen is None or not _in_transaction(transaction.get_connection(chosen)):
-        return None
-    return chosen
+        chosen = open_
+    return [a for a in chosen if _in_transaction(transaction.get_connection(a))]
 
 
 def _names(aliases: Sequence[str]) -> str:
@@ -248,7 +256,7 @@ def release_at_transaction_end(
     writes went there, and outside a transaction they are committed already.
     With ``strict`` (``lock(..., using=...)``), naming a database with no
     transaction while another has one raises :class:`AmbiguousTransaction`.
-    Without ``using``, see :func:`transaction_to_outlive`. Unless
+    Without ``using``, see :func:`transactions_to_outlive`. Unless
     ``body_raised``, the lease is confirmed first, as a release would:
     ``LockLost`` if it was lost inside the block, so that the transaction,
     whose work was not protected to the end, can roll back. When the body
@@ -257,7 +265,7 @@ def release_at_transaction_end(
     """
     if using is None or strict:
         try:
-            alias = transaction_to_outlive(held.backend, using, name=held.name)
+            aliases = transactions_to_outlive(held.backend, using, name=held.name)
         except AmbiguousTransaction:
             if body_raised:
                 # The body's error matters more than this one: hold the lock
@@ -266,7 +274,5 @@ def release_at_transaction_end(
             held.release_quietly()
             raise
     else:
-        alias = using
-    if alias is None:
-        return False
-    return release_at_transactions_end(held, [alias], body_raised=body_raised)
+        aliases = [using]
+    return release_at_transactions_end(held, aliases, body_raised=body_raised)

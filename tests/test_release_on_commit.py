@@ -142,27 +142,28 @@ def test_using_an_alias_with_no_transaction_while_another_has_one_is_an_error(
 
 @_needs("db-postgresql")
 @pytest.mark.django_db(transaction=True, databases=["default", "postgresql"])
-def test_the_database_backend_among_several_open_transactions_is_ambiguous_too(
+def test_the_database_backend_among_several_open_transactions_holds_to_the_end_of_all(
     name: str,
 ) -> None:
-    """Issue 27 review: its own database was chosen, and the writes went to the other.
+    """Issue 27 review: its own database's commit released it, and the writes went to another.
 
     With ``ATOMIC_REQUESTS`` on two databases, a database backend on "default"
     and the writes on the second (which commits later), 48 of 80 increments
-    were kept: the lock was released at default's commit.
+    were kept: the lock was released at default's commit. Now it is held to
+    the end of every open transaction.
     """
     # The lock's database is postgresql; the writes go to default, which commits last.
     with transaction.atomic(using="default"):
         with transaction.atomic(using="postgresql"):
-            with pytest.raises(AmbiguousTransaction, match="'default' and 'postgresql'"):
-                with lock(name, backend="db-postgresql", release_on_commit=True):
-                    Counter.objects.create(value=1)
+            with lock(name, backend="db-postgresql", release_on_commit=True):
+                Counter.objects.create(value=1)
+        assert _held_elsewhere(name, "db-postgresql")  # postgresql committed, not default
     assert not _held_elsewhere(name, "db-postgresql")
     with transaction.atomic(using="default"):
         with transaction.atomic(using="postgresql"):
             with lock(name, backend="db-postgresql", release_on_commit=True, using="default"):
                 Counter.objects.create(value=1)
-        assert _held_elsewhere(name, "db-postgresql")  # postgresql committed, not default
+        assert _held_elsewhere(name, "db-postgresql")  # to default's commit, as using says
     assert not _held_elsewhere(name, "db-postgresql")
 
 
