@@ -239,7 +239,9 @@ def on_rollback(backend: BaseLockBackend, callback: Callable[[], None], using: s
 
     if not _in_atomic(transaction.get_connection(using)):
         return False
-    transaction.on_commit(_OnRollback(backend, callback), using=using)
+    # First: freed uncalled behind a failing hook of the application, it
+    # would take a committed transaction for a rollback.
+    on_commit_first(transaction.get_connection(using), _OnRollback(backend, callback))
     return True
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -429,6 +430,31 @@ def test_a_rolled_back_enqueue_gives_its_queue_lease_back(key: str, log: str) ->
         committed = task.enqueue(key, log)
     assert committed is not None
     assert task.enqueue(key, log) is None  # a committed enqueue keeps its lease
+    locks["locmem"].break_lock(f"queue:{key}")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_committed_enqueue_keeps_its_lease_behind_a_failing_on_commit_hook(
+    key: str, log: str
+) -> None:
+    """Issue 27 review, the sibling of the release: Django stops at the first failing
+    hook, and the rollback marker queued behind it, freed uncalled later, gave the
+    committed task's queue lease back: a duplicate could be enqueued."""
+    if "db" not in settings.TASKS:
+        pytest.skip("django-tasks-db is not installed")
+    task = ft.queued.using(backend="db")  # ttl 10 s; no worker: it never runs
+
+    def send_mail() -> None:
+        raise RuntimeError("the mail server is down")
+
+    with pytest.raises(RuntimeError, match="mail server"):
+        with transaction.atomic():
+            transaction.on_commit(send_mail)
+            assert task.enqueue(key, log) is not None
+    gc.collect()  # the exception and its frames are gone: nothing is left to call back
+    time.sleep(0.3)  # a release handed to another thread would be done by now
+    assert locks["locmem"].get(f"queue:{key}") is not None
+    assert task.enqueue(key, log) is None  # still a duplicate
     locks["locmem"].break_lock(f"queue:{key}")
 
 
