@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._validation import holder_metadata, new_owner
+from .backends.types import BoundElsewhere
 from .dispatch import get_dispatcher, mark_lease_thread, send_robust
 from .signals import watchdog_lagging
 
@@ -297,7 +298,10 @@ class Renewer:
             self._round_trip = 0.8 * self._round_trip + 0.2 * took
         failed = None
         for held, request, result in zip(chunk, requests, results, strict=True):
-            if _quietly(held.renewal_done, request, result) is not None:
+            if _quietly(held.renewal_done, request, result) is not None and not isinstance(
+                result,
+                BoundElsewhere,  # put off until its transaction ends: not a failure
+            ):
                 failed = result
         if failed is not None:
             logger.warning(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -11,6 +13,7 @@ from django.db import connections, transaction
 
 from django_dlock import LockInTransaction, lock, locks, rwlock, semaphore
 from django_dlock.backends.database import DatabaseBackend
+from django_dlock.backends.types import BoundElsewhere
 from tests.models import Counter
 
 _SESSION_ID = {"postgresql": "SELECT pg_backend_pid()", "mysql": "SELECT CONNECTION_ID()"}
@@ -169,3 +172,112 @@ def test_sqlite_a_slot_inside_atomic_after_a_read_is_granted_or_refused_at_once(
     finally:
         holder.release()
     assert locks["db-sqlite"].semaphores(name) == []
+
+
+def _statement_threads(db: str) -> Any:
+    """A context recording the thread of every statement run on ``db``'s connection here."""
+    seen: set[int] = set()
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.add(threading.get_ident())
+        return execute(sql, params, many, context)
+
+    return seen, connections[db].execute_wrapper(record)
+
+
+def _on_another_thread(fn: Any) -> Any:
+    """``fn()`` on a thread of its own; what it returned or raised."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except Exception as e:
+            out.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    return out[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_a_lease_inside_atomic_is_reached_only_from_its_own_thread(name: str) -> None:
+    """CI hung for an hour: the renewal thread ran statements on the caller's connection.
+
+    A lease taken inside atomic() on SQLite lives in the caller's
+    transaction; its release after a savepoint rolled back went to the
+    renewal thread, which used that same connection. CPython's sqlite3 binds
+    parameters holding the GIL and waiting for the connection's mutex, while
+    the caller's statement held the mutex and waited for the GIL to call our
+    clock function: both threads stopped for good. No other thread may now
+    run a statement on it: a renewal is put off until the transaction ends,
+    and a release runs then.
+    """
+    backend = locks["db-sqlite"]
+    assert isinstance(backend, DatabaseBackend)
+
+    def take() -> Any:
+        return lock(name, backend="db-sqlite", timeout=0, release_on_commit=True)
+
+    seen, recording = _statement_threads("default")
+    with recording, transaction.atomic():
+        with contextlib.suppress(Rollback), transaction.atomic(), take() as rolled_back:
+            raise Rollback  # its release goes to the renewal thread
+        deadline = time.monotonic() + 10
+        while not rolled_back.released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rolled_back.released
+        with take() as held:  # the rollback undid the first lease: free again
+            assert held.token > rolled_back.token
+            renewal = _on_another_thread(
+                lambda: held.backend.do_extend_many([(held.name, held.owner, 30.0)])
+            )
+            assert isinstance(renewal[0], BoundElsewhere)
+            Counter.objects.create(value=1)
+    assert seen == {threading.get_ident()}
+    assert held.released
+    assert backend._bound == {}
+    assert not connections["default"].allow_thread_sharing
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("ending", ["commit", "rollback"])
+@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+def test_sqlite_a_lease_inside_atomic_released_from_another_thread_is_released_at_the_end(
+    name: str, ending: str, kind: str
+) -> None:
+    """Renewed and released on another thread: put off until the transaction ends.
+
+    The release then runs on a connection of its own; until then no other
+    connection can take the lease (SQLite has one writer).
+    """
+    backend = locks["db-sqlite"]
+
+    def take() -> Any:
+        if kind == "mutex":
+            return lock(name, backend="db-sqlite", timeout=0)
+        return semaphore(name, limit=1, backend="db-sqlite", timeout=0)
+
+    def held_now() -> bool:
+        if kind == "mutex":
+            return backend.get(name) is not None
+        return bool(backend.semaphores(name))
+
+    seen, recording = _statement_threads("default")
+    with recording, contextlib.suppress(Rollback), transaction.atomic():
+        held = take().acquire()
+        Counter.objects.create(value=1)
+        assert isinstance(_on_another_thread(lambda: held.extend(30)), BoundElsewhere)
+        assert _on_another_thread(held.release) is None
+        assert held.released
+        if ending == "rollback":
+            raise Rollback
+    assert seen == {threading.get_ident()}
+    deadline = time.monotonic() + 10
+    while held_now() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not held_now()
+    with take() as again:
+        assert again.token > held.token

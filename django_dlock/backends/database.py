@@ -22,10 +22,16 @@ Which connection runs the statements:
 - Inside ``atomic()`` on SQLite: the caller's connection, joining its
   transaction. SQLite has one writer at a time, and a second connection
   would wait for the caller's own transaction. Until that transaction ends,
-  the lease is bound to the connection: renewals, checks and the release go
-  through it too, since no other connection can see or write the
-  uncommitted row. A rollback undoes the acquisition, and the next renewal
-  then reports the lease lost. Three rules keep this safe:
+  the lease is bound to the connection, and only the thread that took it
+  uses it (CPython's sqlite3 deadlocks two threads sharing a connection
+  when a statement calls a Python function): checks and a release on that
+  thread run in the transaction. The renewal thread puts the lease's
+  renewals off until the transaction ends (no other connection can take it
+  meanwhile: SQLite has one writer; the handle counts its lease from the
+  last renewal that ran, so a transaction longer than the TTL loses it), and
+  a release asked for on another thread runs once it has ended. A rollback
+  undoes the acquisition, and the first renewal after it reports the lease lost.
+  Three rules keep this safe:
 
   - Tokens are ``max(fence + 1, wall clock in us)`` on SQLite (as on Redis),
     so the acquisition after a rolled-back one gets a larger token than the
@@ -75,7 +81,7 @@ from .base import BaseLockBackend, LockInfo
 from .database_slots import DatabaseSlots
 from .database_statements import Statements, extend_rows, vendor_statements
 from .sql import Busy, add_clock, bounded, lock_not_available, micros
-from .types import extend_each
+from .types import BoundElsewhere, extend_each
 
 T = TypeVar("T")
 
@@ -146,8 +152,13 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
             )
         self._local = threading.local()
         self._statements_cache: dict[str, Statements] = {}
-        # owner token -> the SQLite connection whose open transaction holds the lease
-        self._bound: dict[str, BaseDatabaseWrapper] = {}
+        # owner token -> the SQLite connection whose open transaction holds the
+        # lease, and the thread that took it there (the only one that may use it)
+        self._bound: dict[str, tuple[BaseDatabaseWrapper, int]] = {}
+        # owner token -> its release, asked for on another thread while bound:
+        # run once the transaction has ended
+        self._release_at_end: dict[str, Callable[[], Any]] = {}
+        self._binding = threading.Lock()
 
     def check(self) -> list[checks.CheckMessage]:
         from django.conf import settings
@@ -193,11 +204,9 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
 
     def _connection(self, owner: str | None = None) -> BaseDatabaseWrapper:
         if owner is not None:
-            bound = self._bound.get(owner)
+            bound = self._bound_here(owner)
             if bound is not None:
-                if bound.in_atomic_block:
-                    return bound
-                self._unbind(owner)
+                return bound
         connection = connections[self.database]
         if connection.vendor == "sqlite" or not connection.in_atomic_block:
             return connection
@@ -228,18 +237,66 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
             private.close()
 
     def _bind(self, owner: str, connection: BaseDatabaseWrapper) -> None:
-        # The watchdog thread will use this connection; Django refuses
-        # cross-thread use unless sharing is switched on (as LiveServerThread does).
-        connection.inc_thread_sharing()
-        self._bound[owner] = connection
+        with self._binding:
+            self._bound[owner] = connection, threading.get_ident()
         # Bound until the transaction ends (a lease handed over as a ticket is
         # never released here, and must not stay in the map for ever).
         at_transaction_end(connection, functools.partial(self._unbind, owner))
 
+    def _bound_here(self, owner: str) -> BaseDatabaseWrapper | None:
+        """The connection ``owner``'s lease is bound to, if its transaction is still open.
+
+        Only the thread that took the lease may use it. CPython's sqlite3
+        binds a statement's parameters holding the GIL and waiting for the
+        connection's mutex, while a statement running on the same connection
+        holds that mutex and waits for the GIL to call a Python function
+        (our clock, Django's date functions): a renewal thread sharing the
+        caller's connection deadlocked the two threads for good.
+        """
+        bound = self._bound.get(owner)
+        if bound is None:
+            return None
+        connection, thread = bound
+        if not connection.in_atomic_block:
+            self._unbind(owner)
+            return None
+        if thread != threading.get_ident():
+            raise BoundElsewhere(
+                f"The lease of {owner!r} on backend {self.alias!r} was taken inside "
+                "transaction.atomic() on SQLite and lives in that transaction: only the "
+                "thread that took it can reach it until the transaction ends",
+                backend=self.alias,
+            )
+        return connection
+
     def _unbind(self, owner: str) -> None:
-        bound = self._bound.pop(owner, None)
-        if bound is not None:
-            bound.dec_thread_sharing()
+        with self._binding:
+            self._bound.pop(owner, None)
+            pending = self._release_at_end.pop(owner, None)
+        if pending is not None:
+            # The transaction has ended: on Django's rollback path, inside it.
+            # Another thread, on a connection of its own, runs the release (a
+            # no-op if the transaction rolled the lease back).
+            self.offload.submit("ops", pending)
+
+    def _release_elsewhere(self, owner: str, release: Callable[[], Any]) -> bool:
+        """Whether the release of a lease bound on another thread was put off to its end.
+
+        The release of a lease taken inside a transaction on SQLite, asked for
+        on another thread (a savepoint's rollback hands it to the renewal
+        thread): the lease is in that transaction, which the other thread
+        cannot touch. A rollback has undone it already; otherwise it is
+        released as soon as the transaction ends, and until then no other
+        connection can take it (SQLite has one writer).
+        """
+        with self._binding:
+            bound = self._bound.get(owner)
+            if bound is None or bound[1] == threading.get_ident():
+                return False
+            if not bound[0].in_atomic_block:
+                return False  # ended: the caller unbinds and releases as usual
+            self._release_at_end[owner] = release
+            return True
 
     def _sql(self, connection: BaseDatabaseWrapper) -> Statements:
         vendor = connection.vendor
@@ -429,8 +486,11 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         return self._retry_busy(name, run, owner)
 
     def do_release(self, name: str, owner: str) -> bool:
+        key = self._key(name)
+        if self._release_elsewhere(owner, lambda: self._rowcount(name, "release", [key, owner])):
+            return True
         try:
-            return self._rowcount(name, "release", [self._key(name), owner], owner)
+            return self._rowcount(name, "release", [key, owner], owner)
         finally:
             self._unbind(owner)
 
@@ -441,7 +501,7 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         results: list[bool | Exception] = [False] * len(leases)
         by_ttl: dict[int, list[int]] = {}
         for i, (_name, owner, ttl) in enumerate(leases):
-            if owner in self._bound:  # taken inside SQLite's atomic(): its own connection
+            if owner in self._bound:  # taken inside SQLite's atomic(): its own thread only
                 results[i] = extend_each(self.do_extend, [leases[i]])[0]
             else:
                 by_ttl.setdefault(micros(ttl), []).append(i)

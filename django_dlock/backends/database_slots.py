@@ -143,12 +143,13 @@ class DatabaseSlots(BaseLockBackend):
     if TYPE_CHECKING:
         database: str
 
-        _bound: dict[str, BaseDatabaseWrapper]
+        _bound: dict[str, tuple[BaseDatabaseWrapper, int]]
 
         def _key(self, name: str) -> str: ...
         def _connection(self, owner: str | None = None) -> BaseDatabaseWrapper: ...
         def _bind(self, owner: str, connection: BaseDatabaseWrapper) -> None: ...
         def _unbind(self, owner: str) -> None: ...
+        def _release_elsewhere(self, owner: str, release: Callable[[], Any]) -> bool: ...
         def _in_transaction(self, name: str, what: str) -> LockInTransaction: ...
         def _run(
             self,
@@ -339,6 +340,11 @@ class DatabaseSlots(BaseLockBackend):
         self._slot_rowcount(name, "leave", [self._key(name), owner], owner)
 
     def do_release_slot(self, name: str, owner: str) -> bool:
+        key = self._key(name)
+        if self._release_elsewhere(
+            owner, lambda: self._slot_rowcount(name, "release", [key, owner])
+        ):
+            return True
         connection = self._connection(owner)
         # Joined the caller's transaction though taken outside it (not bound).
         unbound_join = (
@@ -348,7 +354,7 @@ class DatabaseSlots(BaseLockBackend):
         )
         until = time.monotonic() + RELEASE_LATER_FOR
         try:
-            released = self._slot_rowcount(name, "release", [self._key(name), owner], owner) == 1
+            released = self._slot_rowcount(name, "release", [key, owner], owner) == 1
         except LockInTransaction:
             # SQLite, inside the caller's atomic() that has not written: another
             # writer has the database. Raising here would roll back the

@@ -1,6 +1,7 @@
 """What backends return: a :class:`Grant`, a :class:`LockInfo`, a :class:`ServerStatus`.
 
-And :func:`extend_each`, ``do_extend_many`` for a backend that renews one lease a call.
+And :func:`extend_each`, ``do_extend_many`` for a backend that renews one lease a call,
+and :class:`BoundElsewhere`, a lease this thread cannot reach now.
 """
 
 from __future__ import annotations
@@ -9,6 +10,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
+
+from ..exceptions import BackendUnavailable
+
+
+class BoundElsewhere(BackendUnavailable):
+    """The lease lives in a transaction of another thread's, which only that thread may use.
+
+    The database backend on SQLite, for a lease taken inside
+    ``transaction.atomic()``: until that transaction ends, its renewal is put
+    off (the renewal thread tries again, and no other connection can take the
+    lease meanwhile: SQLite has one writer) and a release from another thread
+    runs when it ends.
+    """
 
 
 @dataclass(frozen=True)
