@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -69,13 +68,22 @@ from .exceptions import LockLost, LockTimeout
 from .handle import HeldLock
 from .handler import locks
 from .keys import KeyTemplate, templated
-from .parking import ORDER_HEADER, header, park_payload, send_parked, send_parked_calls
+from .parking import (
+    LOOK_AGAIN_AFTER,
+    ORDER_HEADER,
+    header,
+    look_for_parked,
+    park_payload,
+    send_parked,
+    send_parked_calls,
+)
 from .signals import task_deferred, task_skipped
 from .task_options import (
     MalformedTicket,
     TaskLockOptions,
     adopt_ticket,
     call_key,
+    held_by_task,
     parse_common,
     skipped_by,
 )
@@ -308,6 +316,19 @@ class LockedTask(Task):  # type: ignore[misc]
             if options.on_locked == "retry":  # run scope only: LockOptions refuses it in queue
                 raise self.retry(exc=e, countdown=options.countdown) from e
             if options.on_locked == "defer":
+                if task_id is not None and held_by_task(
+                    options.backend, key, options.limit, task_id
+                ):
+                    # A copy of a message that is running now (redelivered
+                    # under acks_late or a visibility timeout): parked, it
+                    # would run the call a second time once this run ends.
+                    logger.info(
+                        "Dropped a copy of %s[%s]: that call is running now and holds %r.",
+                        self.name,
+                        task_id,
+                        key,
+                    )
+                    raise Ignore() from None
                 return self._park(key, task_id, request, args, kwargs)
             self._skipped(key, task_id, scope, args, kwargs)
             return None
@@ -329,7 +350,7 @@ class LockedTask(Task):  # type: ignore[misc]
         if not isinstance(order, int) or isinstance(order, bool):
             order = time.time_ns() // 1000
         delivery = getattr(request, "delivery_info", None) or {}
-        payload = park_payload(self.name, args, kwargs, delivery, order, options.limit)
+        payload = park_payload(self.name, args, kwargs, delivery, order, options.limit, request)
         backend = locks[options.backend]
         backend.do_park(key, task_id, order, payload)
         logger.info("Deferred %s[%s]: no free slot on %r.", self.name, task_id, key)
@@ -345,6 +366,8 @@ class LockedTask(Task):  # type: ignore[misc]
                 type(self), task=self, task_id=task_id, name=key, backend=options.backend,
                 args=args, kwargs=kwargs, template=self.lock_pattern(),
             )  # fmt: skip
+            # If the holder dies, no run ending pops this call: look for it.
+            look_for_parked(self.app, LOOK_AGAIN_AFTER)
             raise Ignore() from None
         if backend.do_unpark_key(key, task_id):
             return held
@@ -494,25 +517,9 @@ def _ticket(request: Any) -> Mapping[str, Any] | None:
 
 
 @worker_ready.connect  # type: ignore[untyped-decorator]
-def _send_parked_on_start(sender: Any = None, rounds: int = 3, **kwargs: Any) -> None:
-    """Send parked calls whose slots are free; look again when the blocking leases end.
-
-    At most ``rounds`` looks: after that the runs of the key that end pop them.
-    """
-    app = getattr(sender, "app", None) or current_app
-    try:
-        sent, wake_in = send_parked_calls(app)
-    except Exception:
-        logger.warning("Could not look for deferred calls to send", exc_info=True)
-        return
-    if sent:
-        logger.info("Sent again %d deferred call(s) whose slots are free.", sent)
-    if wake_in is not None and rounds > 1:
-        timer = threading.Timer(
-            wake_in + 0.5, _send_parked_on_start, kwargs={"sender": sender, "rounds": rounds - 1}
-        )
-        timer.daemon = True
-        timer.start()
+def _send_parked_on_start(sender: Any = None, **kwargs: Any) -> None:
+    """Send parked calls whose slots are free, and go on looking while any waits."""
+    look_for_parked(getattr(sender, "app", None) or current_app)
 
 
 def _release_ticket(ticket: Mapping[str, Any]) -> None:

@@ -14,22 +14,35 @@ and the parking popped nobody, so the slot it freed is taken here (and the
 parked entry removed) instead of being lost. Every run that ends pops the
 oldest parked call of its key and sends it again with the same task id; a
 call sent again that finds the slots taken by a newcomer parks again at its
-old place. A worker that starts (``worker_ready``) re-sends parked calls of
-keys with free slots, for slots freed by leases that ran out (a killed
-worker), and looks again when the earliest such lease ends.
+old place. A worker that starts (``worker_ready``), and a worker that parks
+a call, re-sends parked calls of keys with free slots, for slots freed by
+leases that ran out (a killed worker), and looks again when the earliest
+lease blocking a parked call ends, for as long as one waits
+(:func:`look_for_parked`). A copy of a message whose run holds the key (the
+same task id, delivered again) is dropped rather than parked.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 from typing import Any
 
 from kombu.utils import json as kombu_json
 
 from .handler import locks
 
-__all__ = ["ORDER_HEADER", "header", "park_payload", "send_parked", "send_parked_calls"]
+__all__ = [
+    "LOOK_AGAIN_AFTER",
+    "ORDER_HEADER",
+    "header",
+    "look_for_parked",
+    "park_payload",
+    "send_parked",
+    "send_parked_calls",
+]
 
 logger = logging.getLogger("django_dlock.celery")
 
@@ -44,10 +57,23 @@ def header(request: Any, name: str) -> Any:
     return value
 
 
+#: What a call sent again keeps of its request, besides its routing: where
+#: its result goes (``reply_to``: the rpc:// result backend answers there)
+#: and the canvas it belongs to.
+KEPT = ("reply_to", "group_id", "group_index", "root_id", "parent_id")
+
+
 def park_payload(
-    task: str, args: Any, kwargs: Any, delivery: Any, order: int, limit: int | None
+    task: str,
+    args: Any,
+    kwargs: Any,
+    delivery: Any,
+    order: int,
+    limit: int | None,
+    request: Any = None,
 ) -> str:
     """The JSON text that sends a parked call of ``task`` again, to where it was routed."""
+    kept = {k: getattr(request, k, None) for k in KEPT}
     try:
         return str(
             kombu_json.dumps(  # type: ignore[no-untyped-call]
@@ -60,6 +86,7 @@ def park_payload(
                     "priority": delivery.get("priority"),
                     "order": order,
                     "limit": limit,
+                    **{k: v for k, v in kept.items() if v is not None},
                 }
             )
         )
@@ -84,6 +111,7 @@ def send_parked(app: Any, alias: str, key: str, count: int) -> int:
         try:
             data = kombu_json.loads(entry.payload)  # type: ignore[no-untyped-call]
             routing = {k: data[k] for k in ("exchange", "routing_key", "priority") if data.get(k)}
+            routing.update({k: data[k] for k in KEPT if data.get(k) is not None})
             app.send_task(
                 data["task"],
                 args=data["args"],
@@ -140,3 +168,65 @@ def send_parked_calls(app: Any, alias: str | None = None) -> tuple[int, float | 
                 ends = min(h.expires_in for h in holders)
                 wake_in = ends if wake_in is None else min(wake_in, ends)
     return sent, wake_in
+
+
+#: The shortest wait between two looks for parked calls, seconds: a lease
+#: whose end has passed may still be listed for a moment (etcd frees expired
+#: leases up to about half a second late and rounds what is left of a lease
+#: down to whole seconds).
+LOOK_AGAIN_AFTER = 0.5
+#: After a look that failed (the lock service down), seconds.
+LOOK_AFTER_ERROR = 30.0
+
+_looks = threading.Lock()
+_next_look: threading.Timer | None = None
+_asked = False  # asked for while a look was under way: it may have missed the call
+
+
+def _forget_looks() -> None:  # a forked child has none of its parent's threads
+    global _next_look
+    _next_look = None
+
+
+os.register_at_fork(after_in_child=_forget_looks)
+
+
+def look_for_parked(app: Any, delay: float = 0.0) -> None:
+    """Look for parked calls to send in ``delay`` s, and go on looking while any waits.
+
+    One chain of looks per process. Each look sends the parked calls of keys
+    with free slots, and the next comes when the earliest lease blocking a
+    parked call ends; the chain stops when no parked call waits on a held
+    slot, and starts again when a call is parked (or a worker starts). So a
+    holder that dies without ending its run (kill -9, the OOM killer), whose
+    run would have popped the next call, strands nobody: its slot is seen
+    free when its lease ends, however many looks that takes.
+    """
+    global _next_look, _asked
+    with _looks:
+        if _next_look is not None and _next_look.is_alive():
+            _asked = True
+            return
+        _next_look = threading.Timer(delay, _look, args=(app,))
+        _next_look.daemon = True
+        _next_look.name = "django-dlock-parked-calls"
+        _next_look.start()
+
+
+def _look(app: Any) -> None:
+    global _next_look, _asked
+    with _looks:
+        _asked = False
+    try:
+        sent, wake_in = send_parked_calls(app)
+    except Exception:
+        logger.warning("Could not look for deferred calls to send; looking again", exc_info=True)
+        sent, wake_in = 0, LOOK_AFTER_ERROR
+    if sent:
+        logger.info("Sent again %d deferred call(s) whose slots are free.", sent)
+    with _looks:
+        _next_look = None
+        if _asked and wake_in is None:
+            wake_in = 0.0
+    if wake_in is not None:
+        look_for_parked(app, max(wake_in, 0.0) + LOOK_AGAIN_AFTER)

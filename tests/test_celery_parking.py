@@ -1,0 +1,109 @@
+"""Parked calls (``on_locked="defer"``) are never stranded and keep what Celery needs (issue 28).
+
+The lock backends are real servers; the Celery app is a stand-in that records
+what it would send, since what is checked is which calls go out, and when.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from django_dlock import lock, locks
+from django_dlock.celery import _send_parked_on_start
+from django_dlock.parking import park_payload, send_parked
+
+
+class Sent:
+    """A Celery app that records ``send_task`` calls; its one task defers on ``alias``."""
+
+    def __init__(self, alias: str) -> None:
+        options = SimpleNamespace(on_locked="defer", backend=alias)
+        self.tasks = {"tests.deferred": SimpleNamespace(lock_options=options)}
+        self.calls: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def send_task(self, name: str, **options: Any) -> None:
+        with self.lock:
+            self.calls.append({"name": name, **options})
+
+
+def _request(**fields: Any) -> SimpleNamespace:
+    return SimpleNamespace(**fields)
+
+
+@pytest.mark.backends("redis", "etcd", "db-postgresql")
+@pytest.mark.with_default_db
+def test_parked_calls_are_sent_once_a_dead_holders_lease_ends_however_long_it_lived(
+    backend_alias: str,
+) -> None:
+    """Issue 28 item 8: after a worker was killed, its parked calls stayed parked on etcd.
+
+    A starting worker looked three times, and on etcd (which rounds what is
+    left of a lease down and frees expired leases late) all three came
+    before the dead holder's lease ended. Here the holder outlives three
+    looks on purpose, then dies without popping anybody (its lease is left
+    to run out): the looks must go on until the slot is free.
+    """
+    key = f"parked-{uuid.uuid4().hex[:8]}"
+    backend = locks[backend_alias]
+    holder = lock(key, backend=backend_alias, ttl=1.0).acquire()  # renewed while "alive"
+    payload = park_payload("tests.deferred", ["a"], {}, {"routing_key": "q"}, 1, None)
+    backend.do_park(key, "task-1", 1, payload)
+    app = Sent(backend_alias)
+    try:
+        _send_parked_on_start(sender=SimpleNamespace(app=app))
+        time.sleep(4.5)  # three looks and more, while the holder lives
+        assert app.calls == []
+        holder.detach()  # the worker dies: no release, no pop; the lease runs out
+        deadline = time.monotonic() + 10
+        while not app.calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [c["task_id"] for c in app.calls] == ["task-1"]
+        assert backend.do_list_parked(key) == []
+        time.sleep(2)  # no call is sent twice, and the looks stop (no parked call left)
+        assert len(app.calls) == 1
+        looking = [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+        assert looking == []
+    finally:
+        backend.do_unpark_key(key, "task-1")
+
+
+@pytest.mark.backends("redis")
+def test_a_parked_call_is_sent_again_with_its_reply_to_and_canvas(backend_alias: str) -> None:
+    """Issue 28 item 9: with ``result_backend="rpc://"`` a deferred call's result never came.
+
+    The call was sent again without its ``reply_to``, so the rpc backend sent
+    the result to the worker that re-sent it. Its group and its place in a
+    chain are kept too.
+    """
+    key = f"parked-{uuid.uuid4().hex[:8]}"
+    request = _request(
+        reply_to="4c5f-reply-queue",
+        group_id="g-1",
+        group_index=0,
+        root_id="root-1",
+        parent_id="parent-1",
+    )
+    payload = park_payload("tests.deferred", [1], {"b": 2}, {"routing_key": "q"}, 7, None, request)
+    locks[backend_alias].do_park(key, "task-1", 7, payload)
+    app = Sent(backend_alias)
+    assert send_parked(app, backend_alias, key, 1) == 1
+    [call] = app.calls
+    assert call["task_id"] == "task-1"
+    assert (call["args"], call["kwargs"], call["routing_key"]) == ([1], {"b": 2}, "q")
+    kept = {
+        k: call.get(k) for k in ("reply_to", "group_id", "group_index", "root_id", "parent_id")
+    }
+    assert kept == {
+        "reply_to": "4c5f-reply-queue",
+        "group_id": "g-1",
+        "group_index": 0,
+        "root_id": "root-1",
+        "parent_id": "parent-1",
+    }
