@@ -521,6 +521,10 @@ class HeldLock(LeaseAccounting):
         except Exception:
             logger.exception("Could not release lock %r on %r", self.name, self.alias)
 
+    def lost_on_server(self, reason: str) -> None:
+        """Mark the lease lost now: the lock service said it no longer holds it."""
+        self._mark_lost(reason)
+
     def _mark_lost(self, reason: str) -> None:
         with self._mutex:
             if self._state != HELD:

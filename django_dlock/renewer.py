@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._validation import holder_metadata, new_owner
 from .backends.types import BoundElsewhere
+from .clocks import ClockProbe
 from .dispatch import get_dispatcher, mark_lease_thread, send_robust
 from .signals import watchdog_lagging
 
@@ -95,6 +96,13 @@ class Renewer:
         # Leases the judge found run out while they waited, not yet reported.
         self._missed = 0
         self._missed_sample: list[HeldLock] = []
+        #: Reads the backend's clock while it has leases here (``clocks.py``).
+        self.clock = ClockProbe(
+            alias,
+            functools.partial(watchdog.scheduled, alias),
+            functools.partial(watchdog.schedule, delay=0.0),
+            _close_thread_connections,
+        )
 
     def submit(self, work: Callable[[], None]) -> None:
         """Run ``work`` on this thread (one-off calls to the service: a delayed release)."""
@@ -255,6 +263,7 @@ class Renewer:
             groups.setdefault(held.backend.renewal_key, []).append(held)
         for group in groups.values():
             backend = group[0].backend
+            self.clock.start(getattr(backend, "base", backend))
             size = max(1, backend.renew_batch)
             for start in range(0, len(group), size):
                 chunk = group[start : start + size]

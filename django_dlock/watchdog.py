@@ -151,6 +151,19 @@ class Watchdog:
         with self._cond:
             return sum(1 for entry in [*self._heap, *self._incoming] if _live(entry))
 
+    def scheduled(self, alias: str) -> list[HeldLock]:
+        """The leases of backend ``alias`` scheduled for renewal (not those in flight)."""
+        with self._cond:
+            entries = [*self._heap, *self._incoming]
+        leases: dict[int, HeldLock] = {}
+        for entry in entries:
+            held = entry[2]()
+            if held is None or held.watchdog_generation != entry[3]:
+                continue
+            if getattr(held, "alias", None) == alias:  # not a one-off timer
+                leases[id(held)] = held
+        return list(leases.values())
+
     @property
     def thread(self) -> threading.Thread | None:
         return self._thread

@@ -80,7 +80,7 @@ from ..exceptions import BackendUnavailable, LockConfigurationError, LockInTrans
 from .base import BaseLockBackend, LockInfo
 from .database_slots import DatabaseSlots
 from .database_statements import Statements, extend_rows, vendor_statements
-from .sql import Busy, add_clock, bounded, lock_not_available, micros
+from .sql import SERVER_CLOCK, Busy, add_clock, bounded, lock_not_available, micros
 from .types import BoundElsewhere, extend_each
 
 T = TypeVar("T")
@@ -528,6 +528,19 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         if token is None:
             return self._rowcount(name, "break_", [self._key(name)])
         return self._rowcount(name, "break_token", [self._key(name), token])
+
+    #: ``do_server_time`` reads the clock leases end on (``clocks.py``).
+    tells_server_time = True
+
+    def do_server_time(self) -> float | None:
+        """The database's clock, in seconds since the epoch (SQLite's: this machine's)."""
+
+        def run(connection: BaseDatabaseWrapper, sql: Statements, cursor: Any) -> float:
+            # Parameters, though none: Django's SQLite cursor then turns %% into %.
+            cursor.execute(f"SELECT {SERVER_CLOCK[connection.vendor]}", [])
+            return int(cursor.fetchone()[0]) / 1_000_000
+
+        return self._retry_busy("", run)
 
     def do_ping(self) -> tuple[str, tuple[str, ...]]:
         def run(connection: BaseDatabaseWrapper, sql: Statements, cursor: Any) -> str:

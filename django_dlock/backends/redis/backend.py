@@ -470,6 +470,21 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
         info = self._single("", lambda node: node.command("INFO", "server"))
         return "Redis " + server_version(info), ()
 
+    @property
+    def tells_server_time(self) -> bool:
+        """Whether ``do_server_time`` reads the clock leases end on (``clocks.py``).
+
+        Not on a Cluster: its masters each end their keys on their own clock.
+        """
+        return not self.cluster
+
+    def do_server_time(self) -> float | None:
+        """Redis ``TIME``, in seconds since the epoch; None on a Cluster."""
+        if not self.tells_server_time:
+            return None
+        seconds, micros = self._single("", lambda node: node.command("TIME"))
+        return int(seconds) + int(micros) / 1_000_000
+
     def _abandon(self, attempt: RedisAttempt) -> None:
         plan = self._abandon_plan(attempt)
         if plan is not None:

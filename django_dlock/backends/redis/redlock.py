@@ -135,6 +135,10 @@ class Master(Node):
 class RedlockBackend(RedisBackend, reads_a_list=True):
     """Redlock over the independent masters listed in ``LOCATION``."""
 
+    @property
+    def tells_server_time(self) -> bool:
+        return False  # each master ends its keys on its own clock
+
     redlock = True
     # Each master would queue and hand over on its own, and a hand-over by one
     # master is not a majority's grant: Redlock waiters never queue.
