@@ -142,13 +142,24 @@ class LockBackendHandler(_HandlerBase):
             backend.close()
 
     def reset(self) -> None:
-        """Forget the settings and the backends; handles already granted keep theirs."""
+        """Forget the settings and the backends; handles already granted keep theirs.
+
+        A backend with leases held here is not closed: closing an etcd
+        backend revokes its leases, and a handle granted before
+        ``override_settings(DLOCK_BACKENDS=...)`` would hold a lock the
+        service had let go. It is freed with its last handle.
+        """
+        from .watchdog import get_watchdog  # the watchdog imports the backends' users
+
         with self._mutex:
             backends, self._backends = self._backends, {}
             self._settings = None
             self.__dict__.pop("settings", None)
-        for backend in backends.values():
-            backend.close()
+        watchdog = get_watchdog()
+        for alias, backend in backends.items():
+            held = watchdog.scheduled(alias)
+            if not any(getattr(h.backend, "base", h.backend) is backend for h in held):
+                backend.close()
 
 
 locks = LockBackendHandler()

@@ -854,3 +854,61 @@ def test_tokens_start_again_after_etcd_loses_its_data(
         assert again.token <= before[0]  # a token issued before comes again
     finally:
         again.release()
+
+
+@pytest.mark.usefixtures("etcd_servers")
+def test_override_settings_keeps_the_leases_granted_before(name: str) -> None:
+    """Issue 28 item 11: override_settings(DLOCK_BACKENDS=...) revoked every etcd lease.
+
+    The handler closed the old backend, which revokes its leases: a second
+    acquire() was granted at once while the first handle still held.
+    """
+    held = lock(name, backend="etcd", ttl=5).acquire()
+    try:
+        with override_settings(DLOCK_BACKENDS={**settings.DLOCK_BACKENDS}):
+            with pytest.raises(LockTimeout):
+                lock(name, backend="etcd", timeout=0).acquire()
+            held.ensure()
+    finally:
+        held.release()
+    with lock(name, backend="etcd", timeout=0) as again:
+        assert again.token > held.token
+
+
+_EXIT_WHILE_HOLDING = """
+import atexit, sys, time
+atexit.register(time.sleep, 1.5)  # runs after the backend's own exit handler
+import django
+django.setup()
+from django_dlock import lock
+from django_dlock.signals import lock_lost
+lock_lost.connect(lambda sender, **kw: print("LOST", kw.get("reason"), flush=True), weak=False)
+held = [lock(f"{sys.argv[1]}-{i}", backend="etcd", ttl=1).acquire() for i in range(3)]
+print("HELD", flush=True)
+"""
+
+
+@pytest.mark.usefixtures("etcd_servers")
+def test_no_lock_lost_as_the_interpreter_exits_holding(name: str) -> None:
+    """Issue 28 item 11: at exit, etcd locks still held sent lock_lost.
+
+    The exit handler revokes the process's leases; renewals that came after
+    found them gone and reported each lost.
+    """
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PYTHONPATH": os.pathsep.join([str(root), str(root / "testproject")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_WHILE_HOLDING, name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(root),
+    )
+    assert "HELD" in out.stdout, out.stderr
+    assert "LOST" not in out.stdout, out.stdout
+    assert locks["etcd"].list(name) == []  # revoked: released at once

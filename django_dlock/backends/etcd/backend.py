@@ -58,7 +58,15 @@ def _reset_after_fork() -> None:
 
 
 def _close_at_exit() -> None:
+    from ...watchdog import get_watchdog  # the watchdog sits above the backends
+
+    watchdog = get_watchdog()
     for backend in list(_backends):
+        # The leases are revoked here, as the process ends: a renewal that
+        # came after would find them gone and report each lost (lock_lost).
+        for held in watchdog.scheduled(backend.alias):
+            if getattr(held.backend, "base", held.backend) is backend:
+                watchdog.cancel(held)
         backend.close()
 
 
