@@ -60,7 +60,7 @@ from typing import Any, ClassVar
 
 from celery import Task, current_app, shared_task
 from celery.exceptions import Ignore
-from celery.signals import task_revoked, worker_ready
+from celery.signals import task_revoked, worker_ready, worker_shutdown
 from django.core import checks
 from kombu.utils.uuid import uuid
 
@@ -76,6 +76,7 @@ from .parking import (
     park_payload,
     send_parked,
     send_parked_calls,
+    stop_looking,
 )
 from .signals import task_deferred, task_skipped
 from .task_options import (
@@ -83,7 +84,6 @@ from .task_options import (
     TaskLockOptions,
     adopt_ticket,
     call_key,
-    held_by_task,
     parse_common,
     skipped_by,
 )
@@ -316,19 +316,6 @@ class LockedTask(Task):  # type: ignore[misc]
             if options.on_locked == "retry":  # run scope only: LockOptions refuses it in queue
                 raise self.retry(exc=e, countdown=options.countdown) from e
             if options.on_locked == "defer":
-                if task_id is not None and held_by_task(
-                    options.backend, key, options.limit, task_id
-                ):
-                    # A copy of a message that is running now (redelivered
-                    # under acks_late or a visibility timeout): parked, it
-                    # would run the call a second time once this run ends.
-                    logger.info(
-                        "Dropped a copy of %s[%s]: that call is running now and holds %r.",
-                        self.name,
-                        task_id,
-                        key,
-                    )
-                    raise Ignore() from None
                 return self._park(key, task_id, request, args, kwargs)
             self._skipped(key, task_id, scope, args, kwargs)
             return None
@@ -518,8 +505,13 @@ def _ticket(request: Any) -> Mapping[str, Any] | None:
 
 @worker_ready.connect  # type: ignore[untyped-decorator]
 def _send_parked_on_start(sender: Any = None, **kwargs: Any) -> None:
-    """Send parked calls whose slots are free, and go on looking while any waits."""
-    look_for_parked(getattr(sender, "app", None) or current_app)
+    """Send parked calls whose slots are free, and go on looking while the worker runs."""
+    look_for_parked(getattr(sender, "app", None) or current_app, keep=True)
+
+
+@worker_shutdown.connect  # type: ignore[untyped-decorator]
+def _stop_looking_on_shutdown(**kwargs: Any) -> None:
+    stop_looking()
 
 
 def _release_ticket(ticket: Mapping[str, Any]) -> None:

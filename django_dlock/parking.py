@@ -14,12 +14,10 @@ and the parking popped nobody, so the slot it freed is taken here (and the
 parked entry removed) instead of being lost. Every run that ends pops the
 oldest parked call of its key and sends it again with the same task id; a
 call sent again that finds the slots taken by a newcomer parks again at its
-old place. A worker that starts (``worker_ready``), and a worker that parks
-a call, re-sends parked calls of keys with free slots, for slots freed by
-leases that ran out (a killed worker), and looks again when the earliest
-lease blocking a parked call ends, for as long as one waits
-(:func:`look_for_parked`). A copy of a message whose run holds the key (the
-same task id, delivered again) is dropped rather than parked.
+old place. A worker, from its start (``worker_ready``) to its shutdown, and
+a process that parks a call, re-send parked calls of keys with free slots,
+for slots freed by leases that ran out (a killed worker), and look again when
+the earliest lease blocking a parked call ends (:func:`look_for_parked`).
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ __all__ = [
     "park_payload",
     "send_parked",
     "send_parked_calls",
+    "stop_looking",
 ]
 
 logger = logging.getLogger("django_dlock.celery")
@@ -177,21 +176,35 @@ def send_parked_calls(app: Any, alias: str | None = None) -> tuple[int, float | 
 LOOK_AGAIN_AFTER = 0.5
 #: After a look that failed (the lock service down), seconds.
 LOOK_AFTER_ERROR = 30.0
+#: A worker looks this often, seconds, when no parked call waits on a lease it
+#: knows of: a call parked by another worker that was then killed wakes nobody.
+LOOK_IDLE = 10.0
 
 _looks = threading.Lock()
 _next_look: threading.Timer | None = None
 _asked = False  # asked for while a look was under way: it may have missed the call
+_keep = False  # a worker's chain: it goes on while the worker runs
 
 
 def _forget_looks() -> None:  # a forked child has none of its parent's threads
-    global _next_look
-    _next_look = None
+    global _next_look, _keep
+    _next_look, _keep = None, False
 
 
 os.register_at_fork(after_in_child=_forget_looks)
 
 
-def look_for_parked(app: Any, delay: float = 0.0) -> None:
+def stop_looking() -> None:
+    """End this process's chain of looks (a worker shutting down)."""
+    global _next_look, _keep
+    with _looks:
+        _keep = False
+        if _next_look is not None:
+            _next_look.cancel()
+            _next_look = None
+
+
+def look_for_parked(app: Any, delay: float = 0.0, keep: bool = False) -> None:
     """Look for parked calls to send in ``delay`` s, and go on looking while any waits.
 
     One chain of looks per process. Each look sends the parked calls of keys
@@ -200,10 +213,14 @@ def look_for_parked(app: Any, delay: float = 0.0) -> None:
     slot, and starts again when a call is parked (or a worker starts). So a
     holder that dies without ending its run (kill -9, the OOM killer), whose
     run would have popped the next call, strands nobody: its slot is seen
-    free when its lease ends, however many looks that takes.
+    free when its lease ends, however many looks that takes. ``keep`` (a
+    worker): go on looking every :data:`LOOK_IDLE` seconds while nothing
+    waits, until :func:`stop_looking`, for calls parked by a worker that was
+    killed since (it took its chain with it).
     """
-    global _next_look, _asked
+    global _next_look, _asked, _keep
     with _looks:
+        _keep = _keep or keep
         if _next_look is not None and _next_look.is_alive():
             _asked = True
             return
@@ -228,5 +245,7 @@ def _look(app: Any) -> None:
         _next_look = None
         if _asked and wake_in is None:
             wake_in = 0.0
+        if _keep and (wake_in is None or wake_in > LOOK_IDLE):
+            wake_in = LOOK_IDLE - LOOK_AGAIN_AFTER
     if wake_in is not None:
         look_for_parked(app, max(wake_in, 0.0) + LOOK_AGAIN_AFTER)

@@ -157,26 +157,5 @@ def skipped_by(alias: str, key: str, limit: int | None) -> dict[str, Any] | None
     return None if info is None else dict(info.holder)
 
 
-def held_by_task(alias: str, key: str, limit: int | None, task_id: str) -> bool:
-    """Whether a live lease on ``key`` is held by a run of the task call ``task_id``.
-
-    A message delivered again while its first delivery still runs (under
-    ``acks_late``, or a broker's visibility timeout) carries the same task id.
-    False when it cannot be told (the lookup failed): the caller then does
-    what it would have done anyway.
-    """
-    try:
-        backend = locks[alias]
-        if limit is None:
-            info = backend.get(key)
-            holders = [] if info is None else [info]
-        else:
-            holders = [h for s in backend.semaphores(key) if s.name == key for h in s.holders]
-    except Exception:
-        logger.debug("Could not look up the holders of %r on %r", key, alias, exc_info=True)
-        return False
-    return any(h.holder.get("task_id") == task_id for h in holders)
-
-
 class MalformedTicket(ValueError):
     """A ticket that cannot be adopted whatever the lock service says."""

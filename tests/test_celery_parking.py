@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from django_dlock import lock, locks
+from django_dlock import lock, locks, parking
 from django_dlock.celery import _send_parked_on_start
-from django_dlock.parking import park_payload, send_parked
+from django_dlock.parking import look_for_parked, park_payload, send_parked, stop_looking
 
 
 class Sent:
@@ -57,7 +57,7 @@ def test_parked_calls_are_sent_once_a_dead_holders_lease_ends_however_long_it_li
     backend.do_park(key, "task-1", 1, payload)
     app = Sent(backend_alias)
     try:
-        _send_parked_on_start(sender=SimpleNamespace(app=app))
+        look_for_parked(app)  # as the worker that parked it does
         time.sleep(4.5)  # three looks and more, while the holder lives
         assert app.calls == []
         holder.detach()  # the worker dies: no release, no pop; the lease runs out
@@ -72,6 +72,35 @@ def test_parked_calls_are_sent_once_a_dead_holders_lease_ends_however_long_it_li
         assert looking == []
     finally:
         backend.do_unpark_key(key, "task-1")
+
+
+@pytest.mark.backends("redis", "etcd")
+def test_a_running_worker_sends_the_calls_a_killed_worker_parked(
+    backend_alias: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of issue 28: a live, idle worker left a killed worker's parked calls parked.
+
+    Only the process that parked a call, or a worker that starts, looked;
+    the parking worker was the one killed. A worker now looks while it runs.
+    """
+    monkeypatch.setattr(parking, "LOOK_IDLE", 1.0)
+    key = f"parked-{uuid.uuid4().hex[:8]}"
+    backend = locks[backend_alias]
+    app = Sent(backend_alias)
+    _send_parked_on_start(sender=SimpleNamespace(app=app))  # worker B: nothing parked yet
+    try:
+        time.sleep(1.5)
+        # Worker A runs a call and parks another, then is killed (kill -9).
+        lock(key, backend=backend_alias, ttl=2.0).acquire().detach()
+        payload = park_payload("tests.deferred", ["a"], {}, {"routing_key": "q"}, 1, None)
+        backend.do_park(key, "task-2", 1, payload)
+        deadline = time.monotonic() + 10
+        while not app.calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [c["task_id"] for c in app.calls] == ["task-2"]
+    finally:
+        stop_looking()
+        backend.do_unpark_key(key, "task-2")
 
 
 @pytest.mark.backends("redis")

@@ -407,31 +407,6 @@ def test_parked_calls_survive_a_worker_killed_while_holding(
     assert locks["celery"].do_list_parked(f"limited1:{key}") == []
 
 
-def test_a_copy_of_a_running_message_is_not_run_again_under_defer(
-    redis_worker: Worker, log: str, tmp_path: Path
-) -> None:
-    """Issue 28 item 10: a redelivered copy of a running message was parked, then run again.
-
-    A message delivered again while its first delivery runs (acks_late, a
-    visibility timeout) carries the same task id. Under ``defer`` the copy
-    was parked and sent again when the run ended: the body ran twice, one
-    after the other. The copy is now recognised by its task id and dropped.
-    """
-    key = f"copy-{uuid.uuid4().hex[:6]}"
-    counter = str(tmp_path / "inside")
-    first = redis_worker.send(tasks.limited_one, key, log, counter, 2.0)
-    eventually(
-        lambda: any("inside" in e for e in tasks.read_log(log)), 30, "the first delivery runs"
-    )
-    redis_worker.send(tasks.limited_one, key, log, counter, 2.0, task_id=first.id)
-    assert redis_worker.get(first, timeout=30) == 1
-    time.sleep(3)  # a parked copy would have been sent again, and started, by now
-    events = tasks.read_log(log)
-    assert [e["task_id"] for e in events if "inside" in e] == [first.id]
-    assert not any("deferred" in e for e in events)
-    assert locks["celery"].do_list_parked(f"limited1:{key}") == []
-
-
 @pytest.mark.parametrize("worker", ["rabbitmq"], indirect=True)
 def test_a_ticket_naming_another_backend_does_not_run_the_body(worker: Worker, log: str) -> None:
     """A message whose ticket names another lock backend alias, where a live lease of the
