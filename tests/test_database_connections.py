@@ -11,7 +11,7 @@ import pytest
 from django.conf import settings
 from django.db import connections, transaction
 
-from django_dlock import LockInTransaction, lock, locks, rwlock, semaphore
+from django_dlock import LockInTransaction, LockTimeout, lock, locks, rwlock, semaphore
 from django_dlock.backends.database import DatabaseBackend
 from django_dlock.backends.types import BoundElsewhere
 from tests.models import Counter
@@ -212,8 +212,8 @@ def test_sqlite_a_lease_inside_atomic_is_reached_only_from_its_own_thread(name: 
     parameters holding the GIL and waiting for the connection's mutex, while
     the caller's statement held the mutex and waited for the GIL to call our
     clock function: both threads stopped for good. No other thread may now
-    run a statement on it: a renewal is put off until the transaction ends,
-    and a release runs then.
+    run a statement on it: a renewal is put off until the transaction
+    commits, and a release runs when it ends.
     """
     backend = locks["db-sqlite"]
     assert isinstance(backend, DatabaseBackend)
@@ -234,7 +234,8 @@ def test_sqlite_a_lease_inside_atomic_is_reached_only_from_its_own_thread(name: 
             renewal = _on_another_thread(
                 lambda: held.backend.do_extend_many([(held.name, held.owner, 30.0)])
             )
-            assert isinstance(renewal[0], BoundElsewhere)
+            assert renewal == [True]  # put off to the commit: nobody else can write
+            assert isinstance(_on_another_thread(held.ensure), BoundElsewhere)
             Counter.objects.create(value=1)
     assert seen == {threading.get_ident()}
     assert held.released
@@ -269,7 +270,7 @@ def test_sqlite_a_lease_inside_atomic_released_from_another_thread_is_released_a
     with recording, contextlib.suppress(Rollback), transaction.atomic():
         held = take().acquire()
         Counter.objects.create(value=1)
-        assert isinstance(_on_another_thread(lambda: held.extend(30)), BoundElsewhere)
+        assert _on_another_thread(lambda: held.extend(30)) is None  # put off to the commit
         assert _on_another_thread(held.release) is None
         assert held.released
         if ending == "rollback":
@@ -281,3 +282,38 @@ def test_sqlite_a_lease_inside_atomic_released_from_another_thread_is_released_a
     assert not held_now()
     with take() as again:
         assert again.token > held.token
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("kind", ["mutex", "semaphore"])
+def test_sqlite_a_lease_inside_a_transaction_longer_than_its_ttl_is_kept(
+    name: str, kind: str
+) -> None:
+    """The newcomer's test: a lock held inside the test's transaction past its TTL.
+
+    Renewals are put off while the transaction is open (nobody else can
+    write then), the handle keeps its lease, and the commit renews the row
+    on the owner's thread before any other process can take it.
+    """
+    backend = locks["db-sqlite"]
+
+    def take() -> Any:
+        if kind == "mutex":
+            return lock(name, backend="db-sqlite", ttl=0.5, timeout=0)
+        return semaphore(name, limit=1, backend="db-sqlite", ttl=0.5, timeout=0)
+
+    seen, recording = _statement_threads("default")
+    with recording:
+        with transaction.atomic():
+            Counter.objects.create(value=1)
+            held = take().acquire()
+            time.sleep(1.6)  # three TTLs: renewals come from the renewal thread
+            held.ensure()
+        assert not held.lost
+        # Renewed at the commit: not free.
+        assert isinstance(_on_another_thread(lambda: take().acquire()), LockTimeout)
+        time.sleep(0.7)  # and renewed by the renewal thread from now on
+        held.ensure()
+        held.release()
+    assert seen == {threading.get_ident()}
+    assert backend._bound == {}

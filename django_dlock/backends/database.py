@@ -26,10 +26,11 @@ Which connection runs the statements:
   uses it (CPython's sqlite3 deadlocks two threads sharing a connection
   when a statement calls a Python function): checks and a release on that
   thread run in the transaction. The renewal thread puts the lease's
-  renewals off until the transaction ends (no other connection can take it
-  meanwhile: SQLite has one writer; the handle counts its lease from the
-  last renewal that ran, so a transaction longer than the TTL loses it), and
-  a release asked for on another thread runs once it has ended. A rollback
+  renewals off while the transaction is open (no other connection can take
+  it meanwhile: SQLite has one writer) and counts them granted; the row is
+  renewed on the owner's thread at its next use of the lease and as the
+  transaction commits. A release asked for on another thread runs once the
+  transaction has ended. A rollback
   undoes the acquisition, and the first renewal after it reports the lease lost.
   Three rules keep this safe:
 
@@ -62,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -75,7 +77,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseError, IntegrityError, InterfaceError, OperationalError
 
 from .._validation import load_holder, micros_to_datetime
-from ..commit_hooks import at_transaction_end
+from ..commit_hooks import at_transaction_end, on_commit_first
 from ..exceptions import BackendUnavailable, LockConfigurationError, LockInTransaction
 from .base import BaseLockBackend, LockInfo
 from .database_slots import DatabaseSlots
@@ -84,6 +86,8 @@ from .sql import SERVER_CLOCK, Busy, add_clock, bounded, lock_not_available, mic
 from .types import BoundElsewhere, extend_each
 
 T = TypeVar("T")
+
+logger = logging.getLogger("django_dlock")
 
 SUPPORTED_VENDORS = ("sqlite", "postgresql", "mysql")
 
@@ -158,6 +162,8 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         # owner token -> its release, asked for on another thread while bound:
         # run once the transaction has ended
         self._release_at_end: dict[str, Callable[[], Any]] = {}
+        # owner token -> its renewal, put off while bound: run at the commit
+        self._renew_at_commit: dict[str, tuple[str, Callable[[], bool]]] = {}
         self._binding = threading.Lock()
 
     def check(self) -> list[checks.CheckMessage]:
@@ -242,6 +248,8 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         # Bound until the transaction ends (a lease handed over as a ticket is
         # never released here, and must not stay in the map for ever).
         at_transaction_end(connection, functools.partial(self._unbind, owner))
+        # Registered after: runs before the unbinding, and only at a commit.
+        on_commit_first(connection, functools.partial(self._settle, owner))
 
     def _bound_here(self, owner: str) -> BaseDatabaseWrapper | None:
         """The connection ``owner``'s lease is bound to, if its transaction is still open.
@@ -260,24 +268,65 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         if not connection.in_atomic_block:
             self._unbind(owner)
             return None
-        if thread != threading.get_ident():
-            raise BoundElsewhere(
-                f"The lease of {owner!r} on backend {self.alias!r} was taken inside "
-                "transaction.atomic() on SQLite and lives in that transaction: only the "
-                "thread that took it can reach it until the transaction ends",
-                backend=self.alias,
-            )
-        return connection
+        if thread == threading.get_ident():
+            with self._binding:
+                owed = self._renew_at_commit.pop(owner, None)
+            if owed is not None:  # the renewals put off, here first: the row is current
+                owed[1]()
+            return connection
+        raise BoundElsewhere(
+            f"The lease of {owner!r} on backend {self.alias!r} was taken inside "
+            "transaction.atomic() on SQLite and lives in that transaction: only the "
+            "thread that took it can reach it until the transaction ends",
+            backend=self.alias,
+        )
 
     def _unbind(self, owner: str) -> None:
         with self._binding:
             self._bound.pop(owner, None)
+            self._renew_at_commit.pop(owner, None)
             pending = self._release_at_end.pop(owner, None)
         if pending is not None:
             # The transaction has ended: on Django's rollback path, inside it.
             # Another thread, on a connection of its own, runs the release (a
             # no-op if the transaction rolled the lease back).
             self.offload.submit("ops", pending)
+
+    def _renew_elsewhere(self, name: str, owner: str, renew: Callable[[], bool]) -> bool:
+        """Whether the renewal of a lease bound on another thread was put off to the commit.
+
+        While the transaction that took it is open no other connection can
+        take the lease (SQLite has one writer, and that transaction holds the
+        write lock), so the renewal counts as granted; the row is renewed on
+        the owner's thread as the transaction commits (:meth:`_settle`).
+        """
+        with self._binding:
+            bound = self._bound.get(owner)
+            if bound is None or bound[1] == threading.get_ident():
+                return False
+            if not bound[0].in_atomic_block:
+                return False
+            self._renew_at_commit[owner] = name, renew
+            return True
+
+    def _settle(self, owner: str) -> None:
+        """At the commit, on the owner's thread: run the renewal put off, or tell the handle."""
+        with self._binding:
+            owed = self._renew_at_commit.pop(owner, None)
+        if owed is None:
+            return
+        name, renew = owed
+        try:
+            if renew():
+                return
+        except Exception:
+            logger.warning("Renewing %r on %r after its transaction failed", name, self.alias)
+            return  # the renewal thread tries again, and judges
+        from ..watchdog import get_watchdog  # the watchdog sits above the backends
+
+        for held in get_watchdog().scheduled(self.alias):
+            if held.owner == owner:
+                held.lost_on_server("its lease ran out while its transaction was open")
 
     def _release_elsewhere(self, owner: str, release: Callable[[], Any]) -> bool:
         """Whether the release of a lease bound on another thread was put off to its end.
@@ -495,7 +544,12 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
             self._unbind(owner)
 
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
-        return self._rowcount(name, "extend", [micros(ttl), self._key(name), owner], owner)
+        params = [micros(ttl), self._key(name), owner]
+        if self._renew_elsewhere(
+            name, owner, lambda: self._rowcount(name, "extend_owned", params)
+        ):
+            return True
+        return self._rowcount(name, "extend", params, owner)
 
     def do_extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | Exception]:
         results: list[bool | Exception] = [False] * len(leases)

@@ -107,6 +107,11 @@ class _SQL:
         self.leave = f"DELETE FROM {slot} WHERE digest = %s AND owner = %s AND token IS NULL"
         self.release = f"DELETE FROM {slot} WHERE {live}"
         self.extend = f"UPDATE {slot} SET expires_at_us = {now} + %s WHERE {live}"
+        # As the mutex's extend_owned (a slot taken inside a transaction).
+        self.extend_owned = (
+            f"UPDATE {slot} SET expires_at_us = {now} + %s"
+            " WHERE digest = %s AND owner = %s AND token IS NOT NULL"
+        )
         self.check = f"SELECT 1 FROM {slot} WHERE {live}"
         held = f"digest = %s AND token IS NOT NULL AND expires_at_us > {now}"
         self.break_all = f"DELETE FROM {slot} WHERE {held}"
@@ -150,6 +155,7 @@ class DatabaseSlots(BaseLockBackend):
         def _bind(self, owner: str, connection: BaseDatabaseWrapper) -> None: ...
         def _unbind(self, owner: str) -> None: ...
         def _release_elsewhere(self, owner: str, release: Callable[[], Any]) -> bool: ...
+        def _renew_elsewhere(self, name: str, owner: str, renew: Callable[[], bool]) -> bool: ...
         def _in_transaction(self, name: str, what: str) -> LockInTransaction: ...
         def _run(
             self,
@@ -393,6 +399,10 @@ class DatabaseSlots(BaseLockBackend):
 
     def do_extend_slot(self, name: str, owner: str, ttl: float) -> bool:
         params = [micros(ttl), self._key(name), owner]
+        if self._renew_elsewhere(
+            name, owner, lambda: self._slot_rowcount(name, "extend_owned", params) == 1
+        ):
+            return True
         return self._slot_rowcount(name, "extend", params, owner) == 1
 
     def do_check_slot(self, name: str, owner: str) -> bool:

@@ -26,6 +26,7 @@ class Statements:
     release: str
     adopt: str
     extend: str
+    extend_owned: str
     extend_many: str
     extended: str | None
     check: str
@@ -114,6 +115,12 @@ def vendor_statements(vendor: str, table: str) -> Statements:
         extend=(
             f"UPDATE {table} SET expires_at_us = {now} + %s"
             f" WHERE digest = %s AND owner = %s AND expires_at_us > {now}"
+        ),
+        # SQLite, a lease taken inside a transaction whose renewals were put
+        # off while it was open (nobody else could write): ours if nobody took
+        # it since, even past its old end. params and returns: as extend.
+        extend_owned=(
+            f"UPDATE {table} SET expires_at_us = {now} + %s WHERE digest = %s AND owner = %s"
         ),
         # The watchdog's batched renewal: extend for n leases of the same ttl.
         # {digests} is n "%s" and {pairs} n "(%s, %s)", joined by commas (the
