@@ -157,7 +157,9 @@ class LockBackendHandler(_HandlerBase):
             self.__dict__.pop("settings", None)
         watchdog = get_watchdog()
         for alias, backend in backends.items():
-            held = watchdog.scheduled(alias)
+            held = watchdog.scheduled(alias)  # renewed leases; etcd knows renew=False ones
+            if getattr(backend, "holds_leases", False):
+                continue
             if not any(getattr(h.backend, "base", h.backend) is backend for h in held):
                 backend.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from typing import Any
@@ -317,3 +318,41 @@ def test_sqlite_a_lease_inside_a_transaction_longer_than_its_ttl_is_kept(
         held.release()
     assert seen == {threading.get_ident()}
     assert backend._bound == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_a_renewal_undone_by_a_savepoint_is_made_again_at_the_commit(name: str) -> None:
+    """Review of issue 28: ensure() in a savepoint renewed the row; the rollback undid it.
+
+    The renewal put off was then counted done, the commit made a row that
+    had run out visible, and another process took the lock while the
+    handle still said it held.
+    """
+    take = functools.partial(lock, name, backend="db-sqlite", ttl=0.5, timeout=0)
+    with transaction.atomic():
+        held = take().acquire()
+        time.sleep(1.6)  # renewals put off, three TTLs long
+        with contextlib.suppress(Rollback), transaction.atomic():
+            held.ensure()  # runs the renewal put off, inside the savepoint
+            raise Rollback
+    assert isinstance(_on_another_thread(lambda: take().acquire()), LockTimeout)
+    held.ensure()
+    held.release()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_a_release_undone_by_a_savepoint_is_made_again_after_the_transaction(
+    name: str,
+) -> None:
+    """Review of issue 28: the lock stayed taken for the rest of its TTL."""
+    take = functools.partial(lock, name, backend="db-sqlite", ttl=30, timeout=0)
+    with transaction.atomic():
+        held = take().acquire()
+        with contextlib.suppress(Rollback), transaction.atomic():
+            held.release()
+            raise Rollback  # takes the release back
+    deadline = time.monotonic() + 5
+    while locks["db-sqlite"].get(name) is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with take() as again:
+        assert again.token > held.token

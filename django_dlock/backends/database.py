@@ -270,8 +270,10 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
             return None
         if thread == threading.get_ident():
             with self._binding:
-                owed = self._renew_at_commit.pop(owner, None)
-            if owed is not None:  # the renewals put off, here first: the row is current
+                owed = self._renew_at_commit.get(owner)
+            # The renewals put off, here first, so that the row is current; and
+            # again at the commit (a savepoint rolled back may undo this one).
+            if owed is not None:
                 owed[1]()
             return connection
         raise BoundElsewhere(
@@ -538,10 +540,19 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         key = self._key(name)
         if self._release_elsewhere(owner, lambda: self._rowcount(name, "release", [key, owner])):
             return True
+        bound = self._bound.get(owner)
         try:
             return self._rowcount(name, "release", [key, owner], owner)
         finally:
             self._unbind(owner)
+            if bound is not None and bound[0].in_atomic_block:
+                # A savepoint rolled back would undo this release: released
+                # again (a no-op otherwise) once the transaction has ended.
+                at_transaction_end(bound[0], functools.partial(self._release_after, name, owner))
+
+    def _release_after(self, name: str, owner: str) -> None:
+        release = functools.partial(self._rowcount, name, "release", [self._key(name), owner])
+        self.offload.submit("ops", release)
 
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
         params = [micros(ttl), self._key(name), owner]

@@ -189,6 +189,12 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
                 state = self._state
         return state
 
+    @property
+    def holds_leases(self) -> bool:
+        """Whether locks taken through this backend object are held (``handler.reset``)."""
+        state = self._state
+        return state is not None and bool(state.entries)
+
     def close(self) -> None:
         """Revoke this process's leases (held locks are released at once) and disconnect."""
         with self._state_mutex:
