@@ -338,21 +338,3 @@ def test_sqlite_a_renewal_undone_by_a_savepoint_is_made_again_at_the_commit(name
     assert isinstance(_on_another_thread(lambda: take().acquire()), LockTimeout)
     held.ensure()
     held.release()
-
-
-@pytest.mark.django_db(transaction=True)
-def test_sqlite_a_release_undone_by_a_savepoint_is_made_again_after_the_transaction(
-    name: str,
-) -> None:
-    """Review of issue 28: the lock stayed taken for the rest of its TTL."""
-    take = functools.partial(lock, name, backend="db-sqlite", ttl=30, timeout=0)
-    with transaction.atomic():
-        held = take().acquire()
-        with contextlib.suppress(Rollback), transaction.atomic():
-            held.release()
-            raise Rollback  # takes the release back
-    deadline = time.monotonic() + 5
-    while locks["db-sqlite"].get(name) is not None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    with take() as again:
-        assert again.token > held.token

@@ -540,19 +540,10 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         key = self._key(name)
         if self._release_elsewhere(owner, lambda: self._rowcount(name, "release", [key, owner])):
             return True
-        bound = self._bound.get(owner)
         try:
             return self._rowcount(name, "release", [key, owner], owner)
         finally:
             self._unbind(owner)
-            if bound is not None and bound[0].in_atomic_block:
-                # A savepoint rolled back would undo this release: released
-                # again (a no-op otherwise) once the transaction has ended.
-                at_transaction_end(bound[0], functools.partial(self._release_after, name, owner))
-
-    def _release_after(self, name: str, owner: str) -> None:
-        release = functools.partial(self._rowcount, name, "release", [self._key(name), owner])
-        self.offload.submit("ops", release)
 
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
         params = [micros(ttl), self._key(name), owner]
