@@ -69,9 +69,11 @@ class ClockProbe:
     a slow link a read takes as long as a renewal, and renewals must not wait
     for it. ``scheduled()`` lists the leases of the backend that the watchdog
     renews, ``renew_now(held)`` has one renewed at once, ``done()`` runs on
-    the probe's thread as it ends (it closes that thread's database
-    connections). ``spawn`` and ``sleep`` are the thread and the wait, which
-    the tests replace to play a clock step on a virtual clock.
+    the probe's thread after each read (it closes that thread's database
+    connections, as the renewal thread does after each round: one left open
+    on a test database stops ``manage.py test`` from dropping it).
+    ``spawn`` and ``sleep`` are the thread and the wait, which the tests
+    replace to play a clock step on a virtual clock.
     """
 
     def __init__(
@@ -116,7 +118,10 @@ class ClockProbe:
                     if not leases:  # nothing held here: the next renewal starts it again
                         self.running = False
                         return
-                self._probe(watch, leases)
+                try:
+                    self._probe(watch, leases)
+                finally:
+                    self._done()
         finally:
             self._done()
 

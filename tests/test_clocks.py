@@ -16,14 +16,7 @@ from django_dlock import clocks as clocks_module
 from django_dlock import lock, locks
 from django_dlock.clocks import PROBE_EVERY, SLACK, ClockProbe, ClockWatch
 from django_dlock.watchdog import get_watchdog
-
-
-class VirtualTime:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
+from tests.test_lease_simulation import Clock as VirtualTime
 
 
 class ScriptedServer:
