@@ -302,14 +302,7 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         write lock), so the renewal counts as granted; the row is renewed on
         the owner's thread as the transaction commits (:meth:`_settle`).
         """
-        with self._binding:
-            bound = self._bound.get(owner)
-            if bound is None or bound[1] == threading.get_ident():
-                return False
-            if not bound[0].in_atomic_block:
-                return False
-            self._renew_at_commit[owner] = name, renew
-            return True
+        return self._put_off(self._renew_at_commit, owner, (name, renew))
 
     def _settle(self, owner: str) -> None:
         """At the commit, on the owner's thread: run the renewal put off, or tell the handle."""
@@ -340,13 +333,17 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
         released as soon as the transaction ends, and until then no other
         connection can take it (SQLite has one writer).
         """
+        return self._put_off(self._release_at_end, owner, release)
+
+    def _put_off(self, store: dict[str, Any], owner: str, work: Any) -> bool:
+        """Keep ``work`` in ``store`` if ``owner``'s lease is bound on another thread, open."""
         with self._binding:
             bound = self._bound.get(owner)
             if bound is None or bound[1] == threading.get_ident():
                 return False
             if not bound[0].in_atomic_block:
-                return False  # ended: the caller unbinds and releases as usual
-            self._release_at_end[owner] = release
+                return False  # ended: the caller unbinds and goes on as usual
+            store[owner] = work
             return True
 
     def _sql(self, connection: BaseDatabaseWrapper) -> Statements:
