@@ -144,7 +144,10 @@ def test_keys_are_as_documented(single: EtcdServer, name: str) -> None:
         lease_hex = kv["key"].rsplit("/", 1)[1]
         assert kv["key"] == f"dlock/{escaped}%2Fsub/{lease_hex}"
         assert int(lease_hex, 16) == kv["lease"]
-        assert kv["create_revision"] == held.token
+        [epoch] = [e for e in keys(single.endpoint, "dlock-epochs/") if e["key"][-1].isdigit()][
+            -1:
+        ]
+        assert kv["create_revision"] + json.loads(epoch["value"])["epoch"] == held.token
         assert json.loads(kv["value"])["note"] == "n"
         info = etcdctl(single.endpoint, "lease", "timetolive", lease_hex).stdout
         assert "remaining" in info, info
@@ -549,6 +552,16 @@ def test_user_and_password(
     ):
         result = etcdctl(server.endpoint, *args)
         assert result.returncode == 0, result.stderr
+    # Without the epochs' prefix (issue 28 item 6) the error says what to grant.
+    with pytest.raises(BackendUnavailable, match="'dlock-epochs/' prefix too") as excinfo:
+        make_backend(server.endpoint, user="app", password="s3cret").acquire(name, timeout=5)
+    assert excinfo.value.transient is False
+    granted = etcdctl(
+        server.endpoint,
+        "--user=root:rootpw",
+        *["role", "grant-permission", "locks", "--prefix=true", "readwrite", "dlock-epochs/"],
+    )
+    assert granted.returncode == 0, granted.stderr
     backend = make_backend(server.endpoint, user="app", password="s3cret")
     with backend.acquire(name, timeout=5) as held:
         held.extend()
@@ -827,33 +840,106 @@ def test_unpark_does_not_take_a_call_parked_again_meanwhile(
     assert raced and taken + left == ["new"]
 
 
-def test_tokens_start_again_after_etcd_loses_its_data(
+def _tokens(backend: EtcdBackend, name: str, count: int) -> list[int]:
+    """``count`` tokens of ``name``, and one of a semaphore ``name``-s, from ``backend``."""
+    tokens = []
+    for _ in range(count):
+        held = backend.acquire(name, timeout=0)
+        tokens.append(held.token)
+        held.release()
+    held = SlotView(backend, 2, 1).acquire(f"{name}-s", timeout=0)
+    tokens.append(held.token)
+    held.release()
+    return tokens
+
+
+def _restart_on(server: EtcdServer, change: Callable[[], None]) -> None:
+    server.kill()
+    change()
+    server.started_once = False  # a new member on a new data dir
+    server.start()
+
+
+def _restore(server: EtcdServer, snapshot: Path) -> None:
+    """Replace the member's data dir with ``etcdctl snapshot restore`` of ``snapshot``."""
+    shutil.rmtree(server.dir / "data")
+    peer = f"http://127.0.0.1:{server.peer_port}"
+    restored = etcdctl(
+        "",
+        "snapshot", "restore", str(snapshot),
+        "--name", server.name,
+        "--data-dir", str(server.dir / "data"),
+        "--initial-cluster", f"{server.name}={peer}",
+        "--initial-advertise-peer-urls", peer,
+        "--initial-cluster-token", f"dlock-{os.getpid()}-{server.peer_port}",
+    )  # fmt: skip
+    assert restored.returncode == 0, restored.stderr
+
+
+@pytest.mark.parametrize("first", ["live", "fresh"])
+@pytest.mark.parametrize("loss", ["wiped data dir", "older snapshot"])
+def test_tokens_never_repeat_after_etcd_loses_its_data(
+    name: str,
+    loss: str,
+    first: str,
+    make_server: Callable[..., EtcdServer],
+    make_backend: Callable[..., EtcdBackend],
+) -> None:
+    """Issue 28 item 6: etcd's revisions start again after a wiped data dir or a restore.
+
+    Tokens were the create revisions, so a member started on a wiped data dir
+    issued tokens 2, 3, ... again, and a restore from an older snapshot issued
+    again those after the snapshot. They are now epoch + revision
+    (``epochs.py``): a process running across the loss and one started after
+    it both get tokens above every token issued before.
+    """
+    server = make_server("lost")
+    live = make_backend(server.endpoint, timeout=2)
+    before = _tokens(live, name, 3)
+    snapshot = server.dir / "snapshot.db"
+    if loss == "older snapshot":
+        saved = etcdctl(server.endpoint, "snapshot", "save", str(snapshot))
+        assert saved.returncode == 0, saved.stderr
+    before += _tokens(live, name, 3)
+    assert before[:3] == sorted(before[:3]) and before[4:7] == sorted(before[4:7])
+    if loss == "older snapshot":
+        _restart_on(server, lambda: _restore(server, snapshot))
+    else:
+        _restart_on(server, lambda: shutil.rmtree(server.dir / "data"))
+    fresh = make_backend(server.endpoint, timeout=2)
+    # The process that ran across the loss (it sees the revision go back), and
+    # one started after it (it finds no epoch, or a revision above the raft
+    # index), in either order.
+    order = [live, fresh] if first == "live" else [fresh, live]
+    after = _tokens(order[0], name, 2) + _tokens(order[1], name, 2)
+    assert min(after) > max(before), (before, after)
+    assert len(set(after)) == len(after)
+
+
+def test_a_list_after_a_restore_makes_the_new_epoch(
     name: str, make_server: Callable[..., EtcdServer], make_backend: Callable[..., EtcdBackend]
 ) -> None:
-    """A documented limit (docs/guarantees.md): etcd's tokens are its revisions.
+    """docs/backends/etcd.md: after a restore, run ``locks list`` once before the workers.
 
-    A member started again on a wiped data dir counts its revisions from the
-    start, so the tokens issued before come again; a restore from an older
-    snapshot issues those after the snapshot again. Fenced saves accept
-    ``fence <= token``, so a repeated token lets a stale write through there.
+    A process's first use looks for a restore, a list included: it makes the
+    new epoch that every later acquisition reads in its own transaction.
     """
-    server = make_server("wiped")
-    backend = make_backend(server.endpoint, timeout=1)
-    before = []
-    for _ in range(5):
-        held = backend.acquire(name, timeout=0)
-        before.append(held.token)
-        held.release()
-    assert before == sorted(before)
-    server.kill()
-    shutil.rmtree(server.dir / "data")
-    server.started_once = False  # a new member on an empty data dir
-    server.start()
-    again = make_backend(server.endpoint, timeout=1).acquire(name, timeout=10)
-    try:
-        assert again.token <= before[0]  # a token issued before comes again
-    finally:
-        again.release()
+    server = make_server("restored")
+    _tokens(make_backend(server.endpoint, timeout=2), name, 1)
+    snapshot = server.dir / "snapshot.db"
+    assert etcdctl(server.endpoint, "snapshot", "save", str(snapshot)).returncode == 0
+    issued = _tokens(make_backend(server.endpoint, timeout=2), name, 3)
+
+    def epochs() -> list[str]:
+        return [
+            kv["key"] for kv in keys(server.endpoint, "dlock-epochs/") if kv["key"][-1].isdigit()
+        ]
+
+    _restart_on(server, lambda: _restore(server, snapshot))
+    assert len(epochs()) == 1
+    make_backend(server.endpoint, timeout=2).list("")
+    assert len(epochs()) == 2
+    assert min(_tokens(make_backend(server.endpoint, timeout=2), name, 2)) > max(issued)
 
 
 @pytest.mark.usefixtures("etcd_servers")

@@ -31,13 +31,14 @@ and lease L in hex::
   by create revision. Inside the transaction ours is the newest, so the other
   is the key just ahead of ours; if there is none, ours has the lowest create
   revision: we hold the lock, and the **fencing token** is our key's create
-  revision.
+  revision plus the epoch read in the same transaction (``epochs.py``: tokens
+  do not repeat after etcd loses its data).
 - **Waiting** watches the key just below ours for its delete (from the
   revision at which we saw it, so a delete in between is not missed), then
   re-checks in one transaction (is our key still there, and is any key older
   than it left?): the key ahead may have been a waiter that gave up.
   Waiters are therefore served strictly in arrival order.
-- **Release** deletes our key if its create revision is still our token.
+- **Release** deletes our key if its create revision is still ours.
   A waiter that times out deletes its key; one that dies leaves it to expire
   with its lease.
 - **List** is a range over the prefix; the holder of each name is its key with

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -25,6 +25,7 @@ from etcd3 import etcdrpc as rpc
 from ..._validation import load_holder
 from ...exceptions import BackendUnavailable, LockNotOwned
 from ..base import Attempt, BaseLockBackend, Grant, LockInfo
+from .epochs import Epochs
 from .renewals import EtcdRenewals
 from .sessions import Entry, Lease, Sessions, lease_seconds
 from .slots import EtcdSlots
@@ -185,7 +186,7 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
                         self.options.get("user"),
                         self.options.get("password"),
                     )
-                    self._state = Sessions(transport)
+                    self._state = Sessions(transport, Epochs(self.key_prefix, transport))
                 state = self._state
         return state
 
@@ -239,6 +240,7 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
         if attempt.entry is not None:
             return self._recheck(attempt)
         base, _, newest_two = self._names(name)
+        state.epochs.look(name)
         lease = state.take_slot(name, base, ttl, renew)
         key = base + f"{lease.id:x}".encode()
         entry = attempt.entry = Entry(base, key, lease, lease)
@@ -248,7 +250,7 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
         # within this transaction ours is the newest key under base, the one
         # before it is the key to watch, and if there is none, ours is the
         # lowest and we hold the lock. Failing, read our key.
-        request = queue_txn(key, lease.id, holder.encode(), newest_two)
+        request = queue_txn(key, lease.id, holder.encode(), newest_two + state.epochs.encoded)
         try:
             for _ in range(3):
                 retried: list[bool] = []
@@ -286,7 +288,18 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
                 # the session lease would keep that key alive for good.
                 self.state.delete_unknown(key, lease)
             raise
+        if state.epochs.suspect:
+            # etcd went back to an older revision (a restore): our key took
+            # the old epoch. Put it anew after a look (a new epoch).
+            self._leave_queue(name, owner)
+            if lease.private:
+                state.revoke_quietly(lease)
+            attempt.entry = attempt.ahead = None
+            return self._try_acquire(attempt)
         entry.revision = reply.header.revision
+        entry.epoch = state.epochs.epoch_for(
+            state.epochs.parse(reply.responses[2].response_range.kvs), entry.revision
+        )
         newest = reply.responses[1].response_range.kvs
         if len(newest) < 2:  # only ours
             return self._granted(name, entry, ttl, started)
@@ -330,15 +343,20 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
 
     def _granted(self, name: str, entry: Entry, ttl: float, started: float | None) -> int | Grant:
         lease = entry.lease
+        if entry.epoch is None:
+            # No epoch was read with the key (the data went after our look, or
+            # the put was applied by a try that failed over): look now.
+            entry.epoch = self.state.epochs.token_of(name, entry.revision) - entry.revision
+        token = entry.epoch + entry.revision
         now = time.monotonic()
         if lease.expires - now < ttl / 2 and not self.state.keepalive(name, lease):
             # Cannot happen while the key exists; treat as a lease that ends now.
-            return Grant(entry.revision, now, 0.001)
+            return Grant(token, now, 0.001)
         if started is not None and lease.expires - lease.ttl >= started and lease.ttl >= ttl:
             # Granted or refreshed within this attempt: it runs at least ``ttl``
             # from when the caller sent the attempt.
-            return entry.revision
-        return Grant(entry.revision, lease.expires, max(lease.expires - now, 0.001))
+            return token
+        return Grant(token, lease.expires, max(lease.expires - now, 0.001))
 
     def _watch_ahead(self, attempt: EtcdAttempt, remaining: float | None) -> None:
         """Watch the key ahead of ours for its delete; keep our lease alive meanwhile."""
@@ -515,6 +533,7 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
 
     def do_break(self, name: str, token: int | None) -> bool:
         base, end, _ = self._names(name)
+        tokens = self.state.epochs.tokens(name)
         while True:
             reply = self._call(
                 name,
@@ -525,7 +544,7 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
             if not reply.kvs:
                 return False
             kv = reply.kvs[0]
-            if token is not None and kv.create_revision != token:
+            if token is not None and tokens(kv.create_revision) != token:
                 return False  # the holder is not the lease the caller meant
             deleted = self._txn(
                 name, txn([created_at(kv.key, kv.create_revision)], [delete(kv.key)])
@@ -557,10 +576,11 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
         now = datetime.now(timezone.utc)
         ttls: dict[int, float] = {}
         infos = []
+        tokens = self.state.epochs.tokens(prefix or "*")
         for base, kv in holders.items():
             if kv.lease not in ttls:
                 ttls[kv.lease] = self._remaining(prefix or "*", kv.lease)
-            info = self._info(unescape(base[len(self.root) :]), kv, ttls[kv.lease], now)
+            info = self._info(unescape(base[len(self.root) :]), kv, ttls[kv.lease], now, tokens)
             if info is not None:
                 infos.append(info)
         return infos
@@ -582,7 +602,8 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
             return None
         kv = reply.kvs[0]
         now = datetime.now(timezone.utc)
-        return self._info(name, kv, self._remaining(name, kv.lease), now)
+        tokens = self.state.epochs.tokens(name)
+        return self._info(name, kv, self._remaining(name, kv.lease), now, tokens)
 
     def _remaining(self, name: str, lease_id: int) -> float:
         """Seconds lease ``lease_id`` has left by etcd (negative: gone; no lease: forever)."""
@@ -593,7 +614,9 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
         )
         return float(reply.TTL)
 
-    def _info(self, name: str, kv: Any, remaining: float, now: datetime) -> LockInfo | None:
+    def _info(
+        self, name: str, kv: Any, remaining: float, now: datetime, tokens: Callable[[int], int]
+    ) -> LockInfo | None:
         """``kv``, the holder's key of ``name``, as a LockInfo; None if its lease is gone."""
         if remaining < 0:
             return None  # ran out between the two reads
@@ -601,7 +624,7 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
         return LockInfo(
             backend=self.alias,
             name=name,
-            token=int(kv.create_revision),
+            token=tokens(int(kv.create_revision)),
             holder=holder,
             acquired_at=_acquired_at(holder, now),
             expires_at=(

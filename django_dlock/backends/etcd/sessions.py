@@ -25,6 +25,7 @@ import grpc
 from etcd3 import etcdrpc as rpc
 
 from ...exceptions import BackendUnavailable
+from .epochs import Epochs
 from .transport import Transport, created_at, delete, delete_txn, leased_by, txn
 from .watches import Watches
 
@@ -58,6 +59,8 @@ class Entry:
     #: Lease whose id names the key (the lease may since have moved).
     slot: Lease
     revision: int = 0
+    #: The epoch in force when the key was created (``epochs.py``); None: not read yet.
+    epoch: int | None = None
 
 
 class Sessions:
@@ -67,8 +70,9 @@ class Sessions:
     ``BackendUnavailable``, or ``LeaseNotFound`` for a lease etcd no longer has.
     """
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, epochs: Epochs) -> None:
         self.transport = transport
+        self.epochs = epochs
         self.watches = Watches(transport)
         #: Guards ``sessions``, ``entries`` and every lease's ``names``.
         self.mutex = threading.Lock()
@@ -85,6 +89,7 @@ class Sessions:
     def call(self, name: str, stub: str, method: str, request: Any, **kwargs: Any) -> Any:
         """``Transport.request``; once etcd answers, delete the keys left behind."""
         reply = self.transport.request(name, stub, method, request, **kwargs)
+        self.epochs.note(reply.header.revision)
         if self.orphans:
             # etcd answers again: finish the releases that could not reach it.
             self._sweep_orphans()

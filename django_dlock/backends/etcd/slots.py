@@ -20,8 +20,8 @@ strictly first come, first served, so a waiting writer (weight == limit)
 holds back every reader behind it. Once granted, a key stays granted while
 it exists (keys ahead of it only go, keys behind it do not count), so the
 granted keys are always a prefix of the queue and their weights fit. The
-fencing token is the key's create revision: grants follow revision order, so
-tokens increase per name.
+fencing token is the key's create revision plus its epoch (``epochs.py``):
+grants follow revision order, so tokens increase per name.
 
 A refused key stays in the queue as a waiter. The waiter watches the
 semaphore's range for deletes after the revision at which it looked (any key
@@ -154,6 +154,7 @@ class EtcdSlots(BaseLockBackend):
         value = json.dumps(
             {"limit": limit, "weight": weight, "holder": holder, "acquired_us": wall_micros()}
         ).encode()
+        state.epochs.look(name)
         for _ in range(2):
             started = time.monotonic()
             # The key names itself in the lease's names: any number of them fit one lease.
@@ -164,7 +165,11 @@ class EtcdSlots(BaseLockBackend):
             retried: list[bool] = []
             request = txn(
                 [created_at(key, 0)],
-                [put(key, lease.id, value), get(base, range_end(base), **CREATE_ASC)],
+                [
+                    put(key, lease.id, value),
+                    get(base, range_end(base), **CREATE_ASC),
+                    state.epochs.op,
+                ],
                 [get(key, keys_only=True)],
             )
             try:
@@ -181,8 +186,18 @@ class EtcdSlots(BaseLockBackend):
                     # The put may have been applied: the session lease would keep it.
                     state.delete_unknown(key, lease)
                 raise
+            if reply.succeeded and state.epochs.suspect:
+                # etcd went back (a restore): put our key anew after a look.
+                self.do_leave_slot(name, owner)
+                if lease.private:
+                    state.revoke_quietly(lease)
+                state.epochs.look(name)
+                continue
             if reply.succeeded:
                 entry.revision = reply.header.revision
+                entry.epoch = state.epochs.epoch_for(
+                    state.epochs.parse(reply.responses[2].response_range.kvs), entry.revision
+                )
                 kvs = reply.responses[1].response_range.kvs
                 return self._evaluate(name, owner, entry, ttl, limit, kvs, reply, started)
             [kv] = reply.responses[0].response_range.kvs or [None]
@@ -303,8 +318,9 @@ class EtcdSlots(BaseLockBackend):
             rpc.RangeRequest(key=base, range_end=range_end(base), **CREATE_ASC),
         )
         freed = 0
+        tokens = self.state.epochs.tokens(name)
         for kv, granted in _queue(reply.kvs):
-            if not granted or token not in (None, kv.create_revision):
+            if not granted or token not in (None, tokens(kv.create_revision)):
                 continue
             # Only if it is still that key: a holder that released meanwhile
             # and queued again has a key of another revision.
@@ -330,6 +346,7 @@ class EtcdSlots(BaseLockBackend):
         entries = []
         now = datetime.now(timezone.utc)
         ttls: dict[int, float] = {}
+        tokens = self.state.epochs.tokens(prefix or "*")
         for escaped, kvs in by_name.items():
             name = unescape(escaped)
             for kv, granted in _queue(kvs):
@@ -346,7 +363,7 @@ class EtcdSlots(BaseLockBackend):
                     info = LockInfo(
                         backend=self.alias,
                         name=name,
-                        token=int(kv.create_revision),
+                        token=tokens(int(kv.create_revision)),
                         holder=load_holder(data.get("holder")),
                         acquired_at=_acquired(data, now),
                         expires_at=datetime.fromtimestamp(now.timestamp() + left, timezone.utc),

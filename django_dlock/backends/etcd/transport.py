@@ -165,6 +165,8 @@ class Transport:
         self.user = user
         self.password = password
         self.current = 0
+        #: Calls that failed (a member down, or etcd restarted): see ``epochs.py``.
+        self.failures = 0
         self.metadata: tuple[tuple[str, str], ...] | None = None
         self._auth_mutex = threading.Lock()
 
@@ -208,6 +210,7 @@ class Transport:
                     self._authenticate(stubs.auth, timeout)
                 return send(stubs, timeout, tried >= len(self.endpoints))
             except grpc.RpcError as e:
+                self.failures += 1
                 if not reauthenticated and self._auth_expired(e):
                     self.metadata = None
                     reauthenticated = True
