@@ -126,10 +126,10 @@ class Net:
 
     def latency(self, seconds: float) -> None:
         for proxy in self.proxies:
-            if proxy in self._lock_proxies():
+            if proxy in self.lock_proxies():
                 proxy.latency = seconds
 
-    def _lock_proxies(self) -> list[Proxy]:
+    def lock_proxies(self) -> list[Proxy]:
         return [p for p in self.proxies if p._listener.getsockname()[0] == self.lock_host]
 
     def heal(self) -> None:

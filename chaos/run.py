@@ -67,6 +67,8 @@ class Fault:
     #: The lock service loses its data (mutual exclusion is not promised).
     loses_data: bool = False
     network: bool = False
+    #: Made by the TCP proxies between the workers and the lock service.
+    proxied: bool = False
     what: str = ""
 
 
@@ -83,9 +85,30 @@ FAULTS = {
         Fault("blackhole", 3.0, network=True, what="requests run, replies are dropped"),
         Fault("loss", 4.0, network=True, what="20% of packets dropped each way"),
         Fault("latency", 4.0, network=True, what="100 ms added each way (a TCP proxy)"),
+        Fault(
+            "late",
+            3.0,
+            proxied=True,
+            what="every reply held to the next 0.8 s boundary: requests run at once, "
+            "their replies come late and all together",
+        ),
+        Fault(
+            "reorder",
+            4.0,
+            proxied=True,
+            what="every reply delayed 0-300 ms at random: replies on different "
+            "connections arrive in another order than sent",
+        ),
+        Fault(
+            "clockstep",
+            3.0,
+            pauses=True,
+            what="SQLite's lock clock (the workers' wall clock) steps 30 s forward, then back",
+        ),
     )
 }
 NETWORK = ("partition", "blackhole", "loss", "latency")
+PROXIED = ("late", "reorder")
 
 
 class Run:
@@ -119,6 +142,12 @@ class Run:
         for proxy in self.proxies:
             proxy.latency = seconds
 
+    def replies(self, bunch: float = 0.0, jitter: float = 0.0) -> None:
+        """Hold the lock service's replies (see ``tests/netproxy.py``); no arguments: do not."""
+        proxies = self.proxies + (self.net.lock_proxies() if self.net is not None else [])
+        for proxy in proxies:
+            proxy.bunch, proxy.jitter = bunch, jitter
+
     def close_proxies(self) -> None:
         for proxy in self.proxies:
             proxy.close()
@@ -133,10 +162,14 @@ class Target:
     """A backend under test: its servers, its settings as the workers see them, its faults."""
 
     name = ""
-    faults: tuple[str, ...] = ("pause", "kill", *NETWORK)
+    faults: tuple[str, ...] = ("pause", "kill", *NETWORK, *PROXIED)
 
     def start(self, run: Run) -> None:
         raise NotImplementedError
+
+    def worker_config(self) -> dict[str, Any]:
+        """What else the workers' configuration holds for this target."""
+        return {}
 
     def worker_settings(self, run: Run) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the lock backend's settings, DATABASES) for the workers."""
@@ -154,7 +187,7 @@ class Target:
 
 class RedisTarget(Target):
     name = "redis"
-    faults = ("pause", "kill", "restart", *NETWORK)
+    faults = ("pause", "kill", "restart", *NETWORK, *PROXIED)
     masters = 1
 
     def start(self, run: Run) -> None:
@@ -195,7 +228,7 @@ class RedlockTarget(RedisTarget):
 
 class EtcdTarget(Target):
     name = "etcd"
-    faults = ("pause", "kill", "leader", *NETWORK)
+    faults = ("pause", "kill", "leader", *NETWORK, *PROXIED)
 
     def start(self, run: Run) -> None:
         ports = [(free_port(), free_port()) for _ in range(3)]
@@ -228,7 +261,7 @@ class EtcdTarget(Target):
 
 class PostgresTarget(Target):
     name = "postgresql"
-    faults = ("pause", "kill", "terminate", *NETWORK)
+    faults = ("pause", "kill", "terminate", *NETWORK, *PROXIED)
 
     def start(self, run: Run) -> None:
         _pg_admin(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)", f"CREATE DATABASE {DB}")
@@ -260,7 +293,7 @@ class PostgresTarget(Target):
 
 class MariaDBTarget(Target):
     name = "mariadb"
-    faults = ("pause", "kill", "terminate", *NETWORK)
+    faults = ("pause", "kill", "terminate", *NETWORK, *PROXIED)
 
     def start(self, run: Run) -> None:
         _mysql_admin(f"DROP DATABASE IF EXISTS {DB}", f"CREATE DATABASE {DB}")
@@ -305,10 +338,15 @@ class MariaDBTarget(Target):
 
 class SQLiteTarget(Target):
     name = "sqlite"
-    faults = ("pause", "kill", "filelock")
+    faults = ("pause", "kill", "filelock", "clockstep")
 
     def start(self, run: Run) -> None:
         self.path = run.tmp / "locks.sqlite3"
+        # SQLite keeps no clock: leases end by the wall clock of the processes
+        # that use it, which the workers offset by this file's seconds
+        # (chaos/worker.py; libfaketime would, but it breaks Python's sleep).
+        self.clock = run.tmp / "sqlite-clock-offset"
+        self.clock.write_text("0\n")
         self._stop_hold = threading.Event()
         self._holder: threading.Thread | None = None
         _migrate(self._databases())
@@ -319,7 +357,13 @@ class SQLiteTarget(Target):
     def worker_settings(self, run: Run) -> tuple[dict[str, Any], dict[str, Any]]:
         return {"BACKEND": "django_dlock.backends.database.DatabaseBackend"}, self._databases()
 
+    def worker_config(self) -> dict[str, Any]:
+        return {"clock_offset_file": str(self.clock)}
+
     def inject(self, fault: str) -> None:
+        if fault == "clockstep":
+            _write_atomic(self.clock, "30\n")
+            return
         assert fault == "filelock"
         locked = threading.Event()
         self._stop_hold.clear()
@@ -339,9 +383,18 @@ class SQLiteTarget(Target):
         locked.wait(30)
 
     def heal(self, fault: str) -> None:
+        if fault == "clockstep":
+            _write_atomic(self.clock, "0\n")
+            return
         self._stop_hold.set()
         if self._holder is not None:
             self._holder.join(30)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 #: What ``--kind`` makes the workers hold.
@@ -479,6 +532,7 @@ def run_target(
             "pause": 0.02,
             "history": str(hist),
             "holding": str(run.tmp / f"{table}.holding"),
+            **target.worker_config(),
         }
         workers = Workers(run, target, config)
         _wait_started(hist, 60)
@@ -489,6 +543,7 @@ def run_target(
         if run.net is not None:
             run.net.heal()
         run.latency(0.0)
+        run.replies()
         if workers is not None:
             workers.stop()
         run.close_proxies()
@@ -543,6 +598,12 @@ def _inject(run: Run, target: Target, workers: Workers, fault: Fault) -> Any:
         proc.kill()
         proc.wait(timeout=10)
         return lambda: workers.spawn(i)
+    if name in PROXIED:
+        if name == "late":
+            run.replies(bunch=0.8)
+        else:
+            run.replies(jitter=0.3)
+        return run.replies
     if name in NETWORK:
         net = run.net
         assert net is not None

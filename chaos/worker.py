@@ -42,6 +42,8 @@ from typing import Any
 
 def main() -> None:
     config = json.loads(os.environ["DLOCK_CHAOS_CONFIG"])
+    if config.get("clock_offset_file"):
+        _follow_clock_offset(config["clock_offset_file"])
     import django
     from django.conf import settings
 
@@ -216,6 +218,27 @@ class _Register:
                 (self.name, token, value),
             )
         return "ok", value
+
+
+def _follow_clock_offset(path: str) -> None:
+    """The ``clockstep`` fault: this process's wall clock is offset by ``path``'s seconds.
+
+    SQLite keeps no clock: its leases end by the wall clock of the processes
+    that use it, read with ``time.time_ns()``. A step of that clock is a step
+    of the lock service's clock, as a step of the machine's clock would be;
+    ``time.monotonic()`` is not moved. The file is read every 50 ms.
+    """
+    real_ns, offset = time.time_ns, [0]
+
+    def follow() -> None:
+        while True:  # a daemon thread: it ends with the worker
+            with contextlib.suppress(OSError, ValueError), open(path) as f:
+                offset[0] = int(float(f.read()) * 1e9)
+            time.sleep(0.05)
+
+    threading.Thread(target=follow, name="chaos-clock", daemon=True).start()
+    time.time_ns = lambda: real_ns() + offset[0]
+    time.time = lambda: (real_ns() + offset[0]) / 1e9
 
 
 def _write_atomic(path: str, text: str) -> None:

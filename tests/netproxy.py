@@ -13,6 +13,11 @@ flow unchanged, except that:
   A client that sends a second command on another connection meanwhile has
   it run first.
 - ``latency``: every chunk, either way, is delayed this many seconds.
+- ``jitter``: every reply chunk is delayed a random 0 to ``jitter`` seconds
+  more, drawn per chunk: replies on different connections arrive in another
+  order than the server sent them (on one connection TCP keeps the order).
+- ``bunch``: every reply chunk is held until the next multiple of ``bunch``
+  seconds: requests run at once, their replies come late and all together.
 
 Every loop ends when the proxy is closed, and every socket has a timeout.
 """
@@ -20,6 +25,7 @@ Every loop ends when the proxy is closed, and every socket has a timeout.
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import threading
 import time
@@ -31,6 +37,8 @@ class Proxy:
     ) -> None:
         self.target = ("127.0.0.1", target_port)
         self.latency = latency
+        self.jitter = 0.0
+        self.bunch = 0.0
         self._hold_until = 0.0
         self._delay_next = 0.0
         self._closed = threading.Event()
@@ -96,7 +104,12 @@ class Proxy:
                     break
                 delay = self.latency
                 if replies:
-                    delay = max(delay, self._hold_until - time.monotonic())
+                    now = time.monotonic()
+                    delay = max(delay, self._hold_until - now)
+                    if self.bunch > 0:
+                        delay = max(delay, self.bunch - now % self.bunch)
+                    if self.jitter > 0:
+                        delay += random.uniform(0, self.jitter)
                 else:
                     with self._mutex:
                         delay, self._delay_next = max(delay, self._delay_next), 0.0
