@@ -71,9 +71,11 @@ from .keys import KeyTemplate, templated
 from .parking import (
     LOOK_AGAIN_AFTER,
     ORDER_HEADER,
+    drop_copies,
     header,
     look_for_parked,
     park_payload,
+    parked_key,
     send_parked,
     send_parked_calls,
     stop_looking,
@@ -265,6 +267,8 @@ class LockedTask(Task):  # type: ignore[misc]
             # make autoretry_for run it again.
             held.release_quietly()
             if self.lock_options.on_locked == "defer":
+                if task_id is not None and request is not None:
+                    drop_copies(self.lock_options.backend, key, task_id, request)
                 send_parked(self.app, self.lock_options.backend, key, 1)
 
     def _adopt(self, ticket: Mapping[str, Any]) -> HeldLock | None:
@@ -339,7 +343,8 @@ class LockedTask(Task):  # type: ignore[misc]
         delivery = getattr(request, "delivery_info", None) or {}
         payload = park_payload(self.name, args, kwargs, delivery, order, options.limit, request)
         backend = locks[options.backend]
-        backend.do_park(key, task_id, order, payload)
+        parked = parked_key(task_id, request)
+        backend.do_park(key, parked, order, payload)
         logger.info("Deferred %s[%s]: no free slot on %r.", self.name, task_id, key)
         # A run that ended before the parking landed popped nobody: take its slot.
         metadata = self._metadata(task_id, request, "run")
@@ -356,7 +361,7 @@ class LockedTask(Task):  # type: ignore[misc]
             # If the holder dies, no run ending pops this call: look for it.
             look_for_parked(self.app, LOOK_AGAIN_AFTER)
             raise Ignore() from None
-        if backend.do_unpark_key(key, task_id):
+        if backend.do_unpark_key(key, parked):
             return held
         # Popped and sent again meanwhile: that message runs it, not this one.
         held.release_quietly()

@@ -73,6 +73,9 @@ def park_payload(
 ) -> str:
     """The JSON text that sends a parked call of ``task`` again, to where it was routed."""
     kept = {k: getattr(request, k, None) for k in KEPT}
+    if request is not None:
+        kept["task_id"] = getattr(request, "id", None)
+        kept["delivery"] = delivery_of(request)
     try:
         return str(
             kombu_json.dumps(  # type: ignore[no-untyped-call]
@@ -97,6 +100,48 @@ def park_payload(
         ) from e
 
 
+def delivery_of(request: Any) -> list[int]:
+    """What tells one message of a task id from another: its retries and replace nesting.
+
+    A copy of a message (delivered again under ``acks_late`` or a broker's
+    visibility timeout) has the same; a ``retry()`` counts one more retry, and
+    a ``replace()`` one more nesting, under the same task id.
+    """
+    return [
+        int(getattr(request, "retries", 0) or 0),
+        int(getattr(request, "replaced_task_nesting", 0) or 0),
+    ]
+
+
+def parked_key(task_id: str, request: Any) -> str:
+    """What a call is parked under: its task id, and its retries and nesting if any.
+
+    Two deliveries of one message park under one key (the second replaces the
+    first); a retry or a replacement, under another.
+    """
+    retries, nesting = delivery_of(request)
+    return task_id if not (retries or nesting) else f"{task_id}:retry{retries}:replaced{nesting}"
+
+
+def drop_copies(alias: str, key: str, task_id: str, request: Any) -> bool:
+    """Unpark a copy of the message that just ran on ``key``; True if there was one.
+
+    Called after the run released its slot: a copy delivered again while the
+    run went on (``acks_late``, a broker's visibility timeout) found the slot
+    held and was parked. The run is done, so the copy must not run again. A
+    retry or a replacement of the run, parked under the same task id, has
+    another parked key and stays.
+    """
+    try:
+        dropped = bool(locks[alias].do_unpark_key(key, parked_key(task_id, request)))
+    except Exception:
+        logger.warning("Could not look for copies of %s parked on %r", task_id, key, exc_info=True)
+        return False
+    if dropped:
+        logger.info("Dropped the copy of %s parked on %r while it ran: it is done.", task_id, key)
+    return dropped
+
+
 def send_parked(app: Any, alias: str, key: str, count: int) -> int:
     """Pop up to ``count`` calls parked on ``key`` and send them again; return how many."""
     try:
@@ -111,11 +156,14 @@ def send_parked(app: Any, alias: str, key: str, count: int) -> int:
             data = kombu_json.loads(entry.payload)  # type: ignore[no-untyped-call]
             routing = {k: data[k] for k in ("exchange", "routing_key", "priority") if data.get(k)}
             routing.update({k: data[k] for k in KEPT if data.get(k) is not None})
+            retries, nesting = data.get("delivery") or (0, 0)
+            if retries or nesting:
+                routing.update(retries=retries, replaced_task_nesting=nesting)
             app.send_task(
                 data["task"],
                 args=data["args"],
                 kwargs=data["kwargs"],
-                task_id=entry.key,
+                task_id=data.get("task_id") or entry.key,
                 headers={ORDER_HEADER: entry.order},
                 **routing,
             )

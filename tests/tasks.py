@@ -182,7 +182,15 @@ def limited(self: Any, key: str, log: str, counter: str, hold: float = 0.2) -> i
 def _counted_body(task: Any, key: str, log: str, counter: str, hold: float) -> int:
     inside = _count(counter, 1)
     try:
-        record(log, key=key, token=task.lock.token, task_id=task.request.id, inside=inside)
+        delivery = [task.request.retries, getattr(task.request, "replaced_task_nesting", 0)]
+        record(
+            log,
+            key=key,
+            token=task.lock.token,
+            task_id=task.request.id,
+            delivery=delivery,
+            inside=inside,
+        )
         time.sleep(hold)
     finally:
         _count(counter, -1)

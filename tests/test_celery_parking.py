@@ -118,6 +118,9 @@ def test_a_parked_call_is_sent_again_with_its_reply_to_and_canvas(backend_alias:
         group_index=0,
         root_id="root-1",
         parent_id="parent-1",
+        id="task-1",
+        retries=2,
+        replaced_task_nesting=1,
     )
     payload = park_payload("tests.deferred", [1], {"b": 2}, {"routing_key": "q"}, 7, None, request)
     locks[backend_alias].do_park(key, "task-1", 7, payload)
@@ -125,6 +128,8 @@ def test_a_parked_call_is_sent_again_with_its_reply_to_and_canvas(backend_alias:
     assert send_parked(app, backend_alias, key, 1) == 1
     [call] = app.calls
     assert call["task_id"] == "task-1"
+    # Its retry count and replace() nesting too (a copy of it is told by them).
+    assert (call["retries"], call["replaced_task_nesting"]) == (2, 1)
     assert (call["args"], call["kwargs"], call["routing_key"]) == ([1], {"b": 2}, "q")
     kept = {
         k: call.get(k) for k in ("reply_to", "group_id", "group_index", "root_id", "parent_id")

@@ -361,6 +361,45 @@ def test_limit_with_defer_runs_every_call_at_most_two_at_once(
     print(f"\n20 calls, limit=2: {len(deferred)} parked, so {len(deferred)} extra broker messages")
 
 
+@pytest.mark.parametrize("worker", ["redis", "rabbitmq"], indirect=True)
+def test_a_copy_of_a_running_message_is_not_run_again_under_defer(
+    worker: Worker, log: str, tmp_path: Path
+) -> None:
+    """Issue 28 item 10: ``defer`` parked a copy of a running message, then ran it again.
+
+    A copy of the message (what ``acks_late`` or a broker's visibility timeout
+    delivers: the same task id, retries and replace nesting) finds the slot
+    held by its own first delivery and is parked. When that run ends, the copy
+    is dropped, not sent again. A retry and a replacement of the run have the
+    same task id but are not copies: they run.
+    """
+    key = f"copy-{uuid.uuid4().hex[:6]}"
+    counter = str(tmp_path / "inside")
+    first = worker.send(tasks.limited_one, key, log, counter, 2.0)
+    eventually(
+        lambda: any(e.get("task_id") == first.id for e in tasks.read_log(log) if "inside" in e),
+        30,
+        "the first run started",
+    )
+    for options in ({}, {"retries": 1}, {"replaced_task_nesting": 1}):
+        worker.send(tasks.limited_one, key, log, counter, 0.1, task_id=first.id, **options)
+    eventually(
+        lambda: len([e for e in tasks.read_log(log) if "deferred" in e]) == 3,
+        30,
+        "the copy, the retry and the replacement parked",
+    )
+    eventually(
+        lambda: len([e for e in tasks.read_log(log) if "inside" in e]) >= 3,
+        30,
+        "the retry and the replacement ran after the first run",
+    )
+    time.sleep(4)  # the copy would have been sent and run by now (TTL 3 s)
+    bodies = [e for e in tasks.read_log(log) if "inside" in e]
+    assert sorted(e["delivery"] for e in bodies) == [[0, 0], [0, 1], [1, 0]]
+    assert {e["task_id"] for e in bodies} == {first.id}
+    assert locks["celery"].do_list_parked(f"limited1:{key}") == []
+
+
 def test_parked_calls_survive_a_worker_killed_while_holding(
     redis_servers: Any, log: str, tmp_path: Path
 ) -> None:
@@ -386,6 +425,15 @@ def test_parked_calls_survive_a_worker_killed_while_holding(
             30,
             "one body running and three calls parked",
         )
+        # A copy of the running message (acks_late, a visibility timeout) is
+        # parked too; its first run dies with the worker, so the copy must run.
+        [running] = [e["task_id"] for e in tasks.read_log(log) if "inside" in e]
+        worker.send(tasks.limited_one, key, log, counter, 2.0, task_id=running)
+        eventually(
+            lambda: len(locks["celery"].do_list_parked(f"limited1:{key}")) == 4,
+            30,
+            "the copy parked",
+        )
     finally:
         process.kill()
     first = [e["task_id"] for e in tasks.read_log(log) if "inside" in e]
@@ -394,16 +442,17 @@ def test_parked_calls_survive_a_worker_killed_while_holding(
     again = CeleryWorker("restart-b", broker, results, process.queue).start()
     try:
         eventually(
-            lambda: {e["task_id"] for e in tasks.read_log(log) if "inside" in e} >= parked,
+            lambda: len([e for e in tasks.read_log(log) if "inside" in e]) == 5,
             60,
-            "the three parked calls ran under the new worker",
+            "the three parked calls and the copy ran under the new worker",
         )
     finally:
         again.cleanup()
         process.cleanup()
     bodies = [e for e in tasks.read_log(log) if "inside" in e]
     assert max(e["inside"] for e in bodies) == 1
-    assert len(bodies) == 4
+    assert {e["task_id"] for e in bodies} >= parked
+    assert [e["task_id"] for e in bodies].count(running) == 2
     assert locks["celery"].do_list_parked(f"limited1:{key}") == []
 
 
