@@ -916,6 +916,34 @@ def test_tokens_never_repeat_after_etcd_loses_its_data(
     assert len(set(after)) == len(after)
 
 
+def test_extend_with_a_ttl_below_etcds_minimum_keeps_the_shared_lease(
+    name: str, make_server: Callable[..., EtcdServer], make_backend: Callable[..., EtcdBackend]
+) -> None:
+    """Issue 28 item 11: with ``ttl=1``, every extend moved each key onto a lease of its own.
+
+    etcd grants no lease shorter than 1.5 election timeouts (2 s with its
+    default timing): the session lease asked for 1 s was granted 2 s, and
+    each ``extend()`` of 1 s, finding a lease of another TTL, moved the key to
+    a new one (161 leases for 20 keys in 4 s). A TTL is compared with what was
+    asked, not with what etcd raised it to.
+    """
+    server = make_server("default-timing", "--heartbeat-interval", "100",
+                         "--election-timeout", "1000")  # fmt: skip
+    backend = make_backend(server.endpoint, timeout=2)
+    held = [backend.acquire(f"{name}-{i}", ttl=1, timeout=5) for i in range(5)]
+    try:
+        for _ in range(4):
+            for one in held:
+                one.extend()
+        listed = etcdctl(server.endpoint, "lease", "list").stdout.splitlines()[1:]
+        assert len(listed) == 1, listed
+        assert {kv["lease"] for kv in keys(server.endpoint, "dlock/")} == {int(listed[0], 16)}
+        assert all(one.expires_in > 0.5 for one in held)
+    finally:
+        for one in held:
+            one.release()
+
+
 def test_a_list_after_a_restore_makes_the_new_epoch(
     name: str, make_server: Callable[..., EtcdServer], make_backend: Callable[..., EtcdBackend]
 ) -> None:

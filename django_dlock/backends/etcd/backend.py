@@ -494,7 +494,7 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
         if entry is None:
             return False
         seconds = lease_seconds(ttl)
-        if seconds != entry.lease.ttl:
+        if seconds != entry.lease.seconds:  # not entry.lease.ttl: etcd may have raised it
             return self._move(name, owner, entry, seconds)
         if not self.state.keepalive(name, entry.lease):
             self.state.forget(owner)

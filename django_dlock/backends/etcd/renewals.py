@@ -38,7 +38,7 @@ class EtcdRenewals:
             entry = self.state.entries.get(owner)
             if entry is None:
                 continue
-            if lease_seconds(ttl) > entry.lease.ttl:  # a longer TTL: the key moves leases
+            if lease_seconds(ttl) > entry.lease.seconds:  # a longer TTL: the key moves leases
                 results[i] = extend_each(self.do_extend, [leases[i]])[0]
                 continue
             # A shorter TTL is a renewal sent before a hand extend() moved the

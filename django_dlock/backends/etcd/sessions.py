@@ -47,6 +47,14 @@ class Lease:
     private: bool = False
     #: Lock keys (``Pdlock/N/``) that one of our acquisitions has under this lease.
     names: set[bytes] = field(default_factory=set)
+    #: The whole seconds asked for (0: unknown). etcd grants at least its
+    #: minimum TTL (1.5 election timeouts: 2 s by default), so ``ttl`` can be more.
+    asked: int = 0
+
+    @property
+    def seconds(self) -> int:
+        """The TTL this lease stands for: what was asked, else what etcd granted."""
+        return self.asked or self.ttl
 
 
 @dataclass(eq=False)
@@ -124,7 +132,7 @@ class Sessions:
                 name=name,
                 backend=alias,
             )
-        return Lease(int(reply.ID), int(reply.TTL), sent + int(reply.TTL), private)
+        return Lease(int(reply.ID), int(reply.TTL), sent + int(reply.TTL), private, asked=seconds)
 
     def keepalive(self, name: str, lease: Lease) -> bool:
         """Refresh ``lease``; False if it had already run out."""
