@@ -240,6 +240,10 @@ class Attempt:
                     self.release()  # as in _steps
                 except Exception:
                     logger.debug("Could not release a late grant of %r", self.name)
+                # Not refused: the service was too slow (as in _steps).
+                steps = self._steps(timeout, deadline, refused=False)
+                next(steps)
+                return self._drive(steps, self._too_slow())
         self.contended = True
         steps = self._steps(timeout, deadline, refused=True)
         return self._drive(steps, None, next(steps))
@@ -487,6 +491,24 @@ class Attempt:
                         )
                     failure = e
                     continue
+                if result is not None and self._arrived_late(result, sent):
+                    # Granted, but the reply came after the lease ran out by
+                    # our clock: someone else may hold the lock by now. Give
+                    # it back (owner-checked).
+                    try:
+                        yield ("release", ())
+                    except Exception:
+                        logger.debug("Could not release a late grant of %r", name)
+                    # Nobody refused it: the service (or the network) is too
+                    # slow for this TTL. Ride it out as an outage, and say so
+                    # if the timeout runs out (not LockTimeout: the lock may
+                    # be free, and a caller that skips work when it is held
+                    # would skip it for nothing).
+                    result = None
+                    if failure is None:
+                        down_since = time.monotonic()
+                    failure = self._too_slow()
+                    continue
                 if failure is not None:
                     if logged is not None:
                         logger.info(
@@ -497,26 +519,17 @@ class Attempt:
                         )
                     failure, retries, logged = None, 0, None
                 if result is not None:
-                    if not self._arrived_late(result, sent):
-                        try:
-                            held = self._handle(result, sent)
-                        except LockNotOwned:
-                            # A short first lease (a hand-over) ran out before
-                            # it could be extended to the TTL: not ours after
-                            # all, so wait again (the holder that follows
-                            # counts as refusing us).
-                            result = None
-                            refused = self.contended = True
-                            continue
-                        break
-                    # Granted, but the reply came after the lease ran out by
-                    # our clock: someone else may hold the lock by now. Give
-                    # it back (owner-checked) and go on as if refused.
                     try:
-                        yield ("release", ())
-                    except Exception:
-                        logger.debug("Could not release a late grant of %r", name)
-                    result = None
+                        held = self._handle(result, sent)
+                    except LockNotOwned:
+                        # A short first lease (a hand-over) ran out before it
+                        # could be extended to the TTL: not ours after all, so
+                        # wait again (the holder that follows counts as
+                        # refusing us).
+                        result = None
+                        refused = self.contended = True
+                        continue
+                    break
                 refused = self.contended = True
         except BaseException as e:
             # An error that says the attempt took no effect is not unknown.
@@ -547,6 +560,18 @@ class Attempt:
                 waited=time.monotonic() - self.started,
                 template=acquiring_template.get(),
             )
+
+    def _too_slow(self) -> BackendUnavailable:
+        """The error for a grant that came back after its lease had run out."""
+        error = BackendUnavailable(
+            f"A grant of lock {self.name!r} on backend {self.alias!r} came back after its "
+            f"lease of {self.ttl:g}s had run out: the lock service or the network is too slow "
+            "for this TTL.",
+            name=self.name,
+            backend=self.alias,
+        )
+        error.outcome_known = True  # type: ignore[attr-defined]  # released: nothing to undo
+        return error
 
     def _arrived_late(self, result: int | Grant, sent: float) -> bool:
         """Did the grant's reply come after its lease had run out by our clock?
