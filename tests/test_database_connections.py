@@ -15,6 +15,7 @@ from django.db import connections, transaction
 from django_dlock import LockInTransaction, LockTimeout, lock, locks, rwlock, semaphore
 from django_dlock.backends.database import DatabaseBackend
 from django_dlock.backends.types import BoundElsewhere
+from django_dlock.signals import lock_lost
 from tests.models import Counter
 
 _SESSION_ID = {"postgresql": "SELECT pg_backend_pid()", "mysql": "SELECT CONNECTION_ID()"}
@@ -338,3 +339,64 @@ def test_sqlite_a_renewal_undone_by_a_savepoint_is_made_again_at_the_commit(name
     assert isinstance(_on_another_thread(lambda: take().acquire()), LockTimeout)
     held.ensure()
     held.release()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_a_lease_kept_past_its_ttl_in_a_transaction_is_renewed_at_the_commit(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28 item 11: the renewal owed at the commit was lost to a race with it.
+
+    As the transaction ended, the renewal thread found it no longer open,
+    unbound the lease itself and dropped the renewal owed, before the commit
+    hook could make it; its own renewal then found the row run out. Another
+    thread took the lock while the handle said it held. The commit is slowed
+    down here (a slow fsync) so that a renewal falls between the COMMIT and
+    the hooks every time.
+    """
+    connection = connections["default"]
+    commit = connection._commit
+
+    def slow_commit() -> None:
+        commit()
+        time.sleep(0.5)  # past the next renewal (a third of the TTL)
+
+    monkeypatch.setattr(connection, "_commit", slow_commit)
+    take = functools.partial(lock, name, backend="db-sqlite", ttl=1, timeout=0)
+    with transaction.atomic():
+        held = take().acquire()
+        time.sleep(1.5)  # renewals put off; nothing on this thread uses the lease
+    monkeypatch.undo()
+    # Another process took it here: the row had run out at the commit.
+    assert isinstance(_on_another_thread(lambda: take().acquire()), LockTimeout)
+    time.sleep(1.2)  # the renewal thread's renewals after the commit are granted
+    assert not held.lost
+    held.ensure()
+    held.release()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_a_lease_taken_in_a_transaction_that_rolls_back_is_lost_at_once(
+    name: str,
+) -> None:
+    """Issue 28: the rollback undid the lease's row, and the handle said it held until
+    its next renewal (a third of the TTL later), while another process could take it."""
+    lost: list[str] = []
+
+    def on_lost(sender: Any, reason: str = "", **kwargs: Any) -> None:
+        lost.append(reason)
+
+    lock_lost.connect(on_lost)
+    try:
+        with contextlib.suppress(Rollback), transaction.atomic():
+            held = lock(name, backend="db-sqlite", ttl=30, timeout=0).acquire()
+            raise Rollback
+        assert held.lost
+        with lock(name, backend="db-sqlite", timeout=0):  # free: the row went with the rollback
+            pass
+        deadline = time.monotonic() + 5
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lost == ["the transaction it was taken in rolled back"]
+    finally:
+        lock_lost.disconnect(on_lost)

@@ -606,49 +606,6 @@ class Attempt:
         )  # fmt: skip
 
 
-class Handoff:
-    """Between an async acquire's worker thread and a caller that may stop waiting.
-
-    Either the thread delivers the handle before the caller abandons it (then
-    the caller's side releases it once the thread's result arrives), or the
-    caller abandons first (then the thread releases what it gets).
-    """
-
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._abandoned = False
-        self._delivered = False
-
-    def deliver(self, held: HeldLock) -> HeldLock:
-        with self._mutex:
-            self._delivered = not self._abandoned
-        if not self._delivered:
-            held.release_quietly()
-        return held
-
-    def abandon(self) -> bool:
-        """Mark the result unwanted; True if it was delivered already (the caller releases)."""
-        with self._mutex:
-            self._abandoned = True
-            return self._delivered
-
-
-def retrieve_outcome(acquiring: asyncio.Future[HeldLock]) -> None:
-    """Take the thread's exception, if any, so asyncio does not report it as unseen."""
-    if not acquiring.cancelled():
-        acquiring.exception()
-
-
-def release_unwanted(acquiring: asyncio.Future[HeldLock]) -> None:
-    """Release a delivered handle whose caller stopped waiting (off the event loop)."""
-    if acquiring.cancelled() or acquiring.exception() is not None:
-        return
-    held = acquiring.result()
-    threading.Thread(
-        target=held.release_quietly, name="django-dlock-unwanted", daemon=True
-    ).start()
-
-
 def _cancelling() -> bool:
     """Whether the current task has a cancellation pending (Python 3.11+; else False)."""
     task = asyncio.current_task()

@@ -138,14 +138,11 @@ from .attempts import (
     BACKOFF_CEILING,
     OUTAGE_BACKOFF_CEILING,
     Attempt,
-    Handoff,
     backoff,
     outage_backoff,
-    release_unwanted,
-    retrieve_outcome,
 )
 from .capabilities import RenamedCapabilities
-from .offload import Offload
+from .offload import Handoff, Offload, release_unwanted, retrieve_outcome
 from .types import (
     Grant,
     LockInfo,

@@ -31,7 +31,8 @@ Which connection runs the statements:
   renewed on the owner's thread at its next use of the lease and as the
   transaction commits. A release asked for on another thread runs once the
   transaction has ended. A rollback
-  undoes the acquisition, and the first renewal after it reports the lease lost.
+  undoes the acquisition and reports the lease lost at once
+  (``database_bound.py``).
   Three rules keep this safe:
 
   - Tokens are ``max(fence + 1, wall clock in us)`` on SQLite (as on Redis),
@@ -77,13 +78,14 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseError, IntegrityError, InterfaceError, OperationalError
 
 from .._validation import load_holder, micros_to_datetime
-from ..commit_hooks import at_transaction_end, on_commit_first
+from ..commit_hooks import at_transaction_end
 from ..exceptions import BackendUnavailable, LockConfigurationError, LockInTransaction
 from .base import BaseLockBackend, LockInfo
+from .database_bound import BoundLeases
 from .database_slots import DatabaseSlots
 from .database_statements import Statements, extend_rows, vendor_statements
 from .sql import SERVER_CLOCK, Busy, add_clock, bounded, lock_not_available, micros
-from .types import BoundElsewhere, extend_each
+from .types import extend_each
 
 T = TypeVar("T")
 
@@ -129,7 +131,7 @@ def _transient(error: Exception) -> bool:
     return not any(refused in text for refused in _PG_REFUSED_TEXT)
 
 
-class DatabaseBackend(DatabaseSlots, BaseLockBackend):
+class DatabaseBackend(BoundLeases, DatabaseSlots, BaseLockBackend):
     """Leases in the ``django_dlock_lease`` table of a Django database.
 
     ``OPTIONS``: ``database``, the alias in ``DATABASES`` (default "default").
@@ -156,15 +158,7 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
             )
         self._local = threading.local()
         self._statements_cache: dict[str, Statements] = {}
-        # owner token -> the SQLite connection whose open transaction holds the
-        # lease, and the thread that took it there (the only one that may use it)
-        self._bound: dict[str, tuple[BaseDatabaseWrapper, int]] = {}
-        # owner token -> its release, asked for on another thread while bound:
-        # run once the transaction has ended
-        self._release_at_end: dict[str, Callable[[], Any]] = {}
-        # owner token -> its renewal, put off while bound: run at the commit
-        self._renew_at_commit: dict[str, tuple[str, Callable[[], bool]]] = {}
-        self._binding = threading.Lock()
+        self._init_bound()
 
     def check(self) -> list[checks.CheckMessage]:
         from django.conf import settings
@@ -241,110 +235,6 @@ class DatabaseBackend(DatabaseSlots, BaseLockBackend):
             private.inc_thread_sharing()
         with contextlib.suppress(DatabaseError):  # a broken connection is closed all the same
             private.close()
-
-    def _bind(self, owner: str, connection: BaseDatabaseWrapper) -> None:
-        with self._binding:
-            self._bound[owner] = connection, threading.get_ident()
-        # Bound until the transaction ends (a lease handed over as a ticket is
-        # never released here, and must not stay in the map for ever).
-        at_transaction_end(connection, functools.partial(self._unbind, owner))
-        # Registered after: runs before the unbinding, and only at a commit.
-        on_commit_first(connection, functools.partial(self._settle, owner))
-
-    def _bound_here(self, owner: str) -> BaseDatabaseWrapper | None:
-        """The connection ``owner``'s lease is bound to, if its transaction is still open.
-
-        Only the thread that took the lease may use it. CPython's sqlite3
-        binds a statement's parameters holding the GIL and waiting for the
-        connection's mutex, while a statement running on the same connection
-        holds that mutex and waits for the GIL to call a Python function
-        (our clock, Django's date functions): a renewal thread sharing the
-        caller's connection deadlocked the two threads for good.
-        """
-        bound = self._bound.get(owner)
-        if bound is None:
-            return None
-        connection, thread = bound
-        if not connection.in_atomic_block:
-            self._unbind(owner)
-            return None
-        if thread == threading.get_ident():
-            with self._binding:
-                owed = self._renew_at_commit.get(owner)
-            # The renewals put off, here first, so that the row is current; and
-            # again at the commit (a savepoint rolled back may undo this one).
-            if owed is not None:
-                owed[1]()
-            return connection
-        raise BoundElsewhere(
-            f"The lease of {owner!r} on backend {self.alias!r} was taken inside "
-            "transaction.atomic() on SQLite and lives in that transaction: only the "
-            "thread that took it can reach it until the transaction ends",
-            backend=self.alias,
-        )
-
-    def _unbind(self, owner: str) -> None:
-        with self._binding:
-            self._bound.pop(owner, None)
-            self._renew_at_commit.pop(owner, None)
-            pending = self._release_at_end.pop(owner, None)
-        if pending is not None:
-            # The transaction has ended: on Django's rollback path, inside it.
-            # Another thread, on a connection of its own, runs the release (a
-            # no-op if the transaction rolled the lease back).
-            self.offload.submit("ops", pending)
-
-    def _renew_elsewhere(self, name: str, owner: str, renew: Callable[[], bool]) -> bool:
-        """Whether the renewal of a lease bound on another thread was put off to the commit.
-
-        While the transaction that took it is open no other connection can
-        take the lease (SQLite has one writer, and that transaction holds the
-        write lock), so the renewal counts as granted; the row is renewed on
-        the owner's thread as the transaction commits (:meth:`_settle`).
-        """
-        return self._put_off(self._renew_at_commit, owner, (name, renew))
-
-    def _settle(self, owner: str) -> None:
-        """At the commit, on the owner's thread: run the renewal put off, or tell the handle."""
-        with self._binding:
-            owed = self._renew_at_commit.pop(owner, None)
-        if owed is None:
-            return
-        name, renew = owed
-        try:
-            if renew():
-                return
-        except Exception:
-            logger.warning("Renewing %r on %r after its transaction failed", name, self.alias)
-            return  # the renewal thread tries again, and judges
-        from ..watchdog import get_watchdog  # the watchdog sits above the backends
-
-        for held in get_watchdog().scheduled(self.alias):
-            if held.owner == owner:
-                held.lost_on_server("its lease ran out while its transaction was open")
-
-    def _release_elsewhere(self, owner: str, release: Callable[[], Any]) -> bool:
-        """Whether the release of a lease bound on another thread was put off to its end.
-
-        The release of a lease taken inside a transaction on SQLite, asked for
-        on another thread (a savepoint's rollback hands it to the renewal
-        thread): the lease is in that transaction, which the other thread
-        cannot touch. A rollback has undone it already; otherwise it is
-        released as soon as the transaction ends, and until then no other
-        connection can take it (SQLite has one writer).
-        """
-        return self._put_off(self._release_at_end, owner, release)
-
-    def _put_off(self, store: dict[str, Any], owner: str, work: Any) -> bool:
-        """Keep ``work`` in ``store`` if ``owner``'s lease is bound on another thread, open."""
-        with self._binding:
-            bound = self._bound.get(owner)
-            if bound is None or bound[1] == threading.get_ident():
-                return False
-            if not bound[0].in_atomic_block:
-                return False  # ended: the caller unbinds and goes on as usual
-            store[owner] = work
-            return True
 
     def _sql(self, connection: BaseDatabaseWrapper) -> Statements:
         vendor = connection.vendor
