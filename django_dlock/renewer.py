@@ -344,9 +344,11 @@ class Renewer:
         logger.warning(
             "The django-dlock watchdog is falling behind on backend %r: renewals are "
             "going out %.1f s late, %d lease(s) wait and %d ran out first. The leases "
-            "closest to their end are renewed first. Either the process was paused, or "
-            "it holds more leases than it can renew in time: hold fewer leases per "
-            "process, or give them longer TTLs.",
+            "closest to their end are renewed first. Either the process was paused, a "
+            "renewal was held up by the lock service (a slow server or network; on SQLite, "
+            "a transaction holding the database's write lock), or it holds more leases "
+            "than it can renew in time: hold fewer leases per process, or give them "
+            "longer TTLs.",
             self.alias,
             late,
             waiting,
@@ -414,7 +416,10 @@ def lag_notes(backend: BaseLockBackend) -> list[str]:
     return notes
 
 
-WAITED = "its renewal could not be sent before the lease ran out (the watchdog fell behind)"
+WAITED = (
+    "its renewal could not be sent before the lease ran out (the watchdog fell behind: "
+    "the process was paused, or the renewals before it were held up)"
+)
 
 
 def _quietly(fn: Callable[..., Any], *args: Any) -> Any:

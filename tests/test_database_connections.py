@@ -400,3 +400,30 @@ def test_sqlite_a_lease_taken_in_a_transaction_that_rolls_back_is_lost_at_once(
         assert lost == ["the transaction it was taken in rolled back"]
     finally:
         lock_lost.disconnect(on_lost)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_a_write_transaction_longer_than_a_ttl_holds_up_the_renewals(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A documented limit (docs/backends/database.md): SQLite has one writer.
+
+    While a transaction holds the write lock, no renewal of that database can
+    be written: a lease held outside the transaction, with a TTL shorter than
+    it, is reported lost (nobody else could take it meanwhile either). The
+    watchdog's warning names this cause; it said only "the process was paused,
+    or it holds more leases than it can renew".
+    """
+    other = lock(f"{name}-other", backend="db-sqlite", ttl=0.6, timeout=0).acquire()
+    time.sleep(0.1)  # renewed in a later round, which cannot be sent meanwhile
+    later = lock(f"{name}-later", backend="db-sqlite", ttl=0.6, timeout=0).acquire()
+    with caplog.at_level("WARNING", logger="django_dlock"):
+        with transaction.atomic():
+            Counter.objects.create(value=1)  # this transaction holds SQLite's write lock
+            time.sleep(1.5)
+        assert other.lost and later.lost
+        # Reported once the held-up round comes back, after the commit.
+        deadline = time.monotonic() + 5
+        while "falling behind" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert "a transaction holding the database's write lock" in caplog.text

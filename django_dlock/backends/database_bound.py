@@ -24,8 +24,8 @@ from .types import BoundElsewhere
 
 logger = logging.getLogger("django_dlock")
 
-#: How long another thread waits, seconds, for a lease bound in a transaction
-#: that has just ended to be unbound by the hooks on the owner's thread.
+#: How long another thread waits, seconds, for a lease renewed at its commit
+#: to be unbound by the next commit hook on the owner's thread.
 UNBIND_WAIT = 1.0
 
 
@@ -160,20 +160,24 @@ class BoundLeases:
         return self._put_off(self._release_at_end, owner, release)
 
     def _put_off(self, store: dict[str, Any], owner: str, work: Any) -> bool:
-        """Keep ``work`` in ``store`` if ``owner``'s lease is bound on another thread, open."""
+        """Keep ``work`` in ``store`` if ``owner``'s lease is bound on another thread, open.
+
+        Also while its transaction is ending, until the commit's renewal has
+        run (:meth:`_settle`, the first commit hook): a COMMIT can take a
+        while (an fsync), and racing it this thread unbound the lease, dropped
+        the renewal owed and found the row expired, while the handle counted
+        on it. The handle is told at the end if the renewal fails or the
+        transaction rolled back.
+        """
         with self._binding:
             bound = self._bound.get(owner)
             if bound is None or bound[1] == threading.get_ident():
                 return False
-            if bound[0].in_atomic_block:
+            if bound[0].in_atomic_block or owner not in self._settled:
                 store[owner] = work
                 return True
-        # The transaction has ended and its hooks are running on the owner's
-        # thread: at a commit, _settle renews the row. Racing them, this
-        # thread unbound the lease first and dropped the renewal owed, then
-        # found the row expired: a lease lost that nobody had taken, and
-        # until then a handle counting on a row already expired. Wait for the
-        # owner's thread to unbind it (a few statements), then go on as usual.
+        # Renewed at the commit, and about to be unbound (the next hook, on
+        # the owner's thread): wait for it, then go on as usual.
         deadline = time.monotonic() + UNBIND_WAIT
         while owner in self._bound and time.monotonic() < deadline:
             time.sleep(0.001)
