@@ -300,6 +300,15 @@ class Renewer:
         # Each reply is applied with the TTL sent and counted from its send.
         return chunk, [held.renewal_sending() for held in chunk]
 
+    def leases(self) -> list[HeldLock]:
+        """The leases handed to this renewer: added, queued or in flight."""
+        with self._cond:
+            return [
+                *(held for held, _ in self._added),
+                *(entry[2] for entry in self._queue),
+                *self._sending,
+            ]
+
     def _end(self, chunk: list[HeldLock], requests: list[Any], results: list[Any]) -> None:
         """After a call: apply each reply to its handle."""
         if requests:

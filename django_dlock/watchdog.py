@@ -152,10 +152,17 @@ class Watchdog:
             return sum(1 for entry in [*self._heap, *self._incoming] if _live(entry))
 
     def scheduled(self, alias: str) -> list[HeldLock]:
-        """The leases of backend ``alias`` scheduled for renewal (not those in flight)."""
+        """The leases of backend ``alias`` the watchdog renews: scheduled, or with its renewer.
+
+        Those with the renewer count (queued, or a renewal in flight): a lease
+        lost on the server mid-renewal must be found here too.
+        """
         with self._cond:
             entries = [*self._heap, *self._incoming]
+            renewer = self._renewers.get(alias)
         leases: dict[int, HeldLock] = {}
+        if renewer is not None:
+            leases.update((id(held), held) for held in renewer.leases())
         for entry in entries:
             held = entry[2]()
             if held is None or held.watchdog_generation != entry[3]:

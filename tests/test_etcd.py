@@ -944,6 +944,36 @@ def test_extend_with_a_ttl_below_etcds_minimum_keeps_the_shared_lease(
             one.release()
 
 
+@pytest.mark.parametrize("unrelated_writes", [0, 30])
+def test_tokens_never_repeat_after_a_restore_from_a_snapshot_taken_after_a_restore(
+    name: str,
+    unrelated_writes: int,
+    make_server: Callable[..., EtcdServer],
+    make_backend: Callable[..., EtcdBackend],
+) -> None:
+    """Review of issue 28: a second restore repeated every token issued after its snapshot.
+
+    The epoch made after the first restore was written in a restored log (its
+    revision above its raft index), at the raft index every restore starts
+    from; the second restore looked the same, so no new epoch was made. A log
+    replaced since shows a larger revision - raft index than the epoch's.
+    """
+    server = make_server("restored-twice")
+    first, second = server.dir / "first.db", server.dir / "second.db"
+    issued = _tokens(make_backend(server.endpoint, timeout=2), name, 1)
+    assert etcdctl(server.endpoint, "snapshot", "save", str(first)).returncode == 0
+    issued += _tokens(make_backend(server.endpoint, timeout=2), name, 1)
+    _restart_on(server, lambda: _restore(server, first))
+    issued += _tokens(make_backend(server.endpoint, timeout=2), name, 2)
+    assert etcdctl(server.endpoint, "snapshot", "save", str(second)).returncode == 0
+    issued += _tokens(make_backend(server.endpoint, timeout=2), name, 10)
+    _restart_on(server, lambda: _restore(server, second))
+    for i in range(unrelated_writes):  # another application's writes
+        etcdctl(server.endpoint, "put", f"other-app/{i}", "v")
+    after = _tokens(make_backend(server.endpoint, timeout=2), name, 5)
+    assert min(after) > max(issued), (issued, after)
+
+
 def test_a_list_after_a_restore_makes_the_new_epoch(
     name: str, make_server: Callable[..., EtcdServer], make_backend: Callable[..., EtcdBackend]
 ) -> None:

@@ -58,6 +58,20 @@ class Epoch:
         """Written while the revision was above the raft index (after a restore)."""
         return self.raft_index < self.revision
 
+    def older_than_the_log(self, revision: int, raft_index: int) -> bool:
+        """Written before the log etcd has now began (etcd said ``revision``, ``raft_index``).
+
+        Every write adds one to both; lease grants, revokes and the like add
+        to the raft index only. So within one log ``revision - raft_index``
+        never grows, and a log restored from a snapshot starts at the
+        snapshot's revision with a small raft index: a larger difference than
+        when this epoch was written means the log was replaced since, even if
+        this epoch was itself written after an earlier restore.
+        """
+        if not self.in_a_restored_log or self.raft_index > raft_index:
+            return True
+        return revision - raft_index > self.revision - self.raft_index
+
 
 class Epochs:
     """This process's view of one backend's epochs."""
@@ -152,8 +166,7 @@ class Epochs:
                 return
             failures = self.transport.failures
             try:
-                status = self.transport.request(name, "maintenance", "Status", rpc.StatusRequest())
-                epochs, head = self.read(name)
+                revision = self._look(name)
             except BackendUnavailable as e:
                 if "permission denied" not in str(e):
                     raise
@@ -165,16 +178,20 @@ class Epochs:
                     backend=self.transport.alias,
                     transient=False,
                 ) from e
-            revision, raft_index = int(status.header.revision), int(status.raftIndex)
-            if not epochs:
-                self._create(name, head, 0, raft_index, revision)
-            elif revision > raft_index:
-                last = epochs[-1]
-                if not last.in_a_restored_log or last.raft_index > raft_index:
-                    self._create(name, head, last.value, raft_index, revision)
             self.looked_at = failures
             self.suspect = False
             self.high = revision
+
+    def _look(self, name: str) -> int:
+        """Read etcd's status and the epochs; create one if due. The revision etcd is at."""
+        status = self.transport.request(name, "maintenance", "Status", rpc.StatusRequest())
+        epochs, head = self.read(name)
+        revision, raft_index = int(status.header.revision), int(status.raftIndex)
+        if not epochs:
+            self._create(name, head, 0, raft_index, revision)
+        elif revision > raft_index and epochs[-1].older_than_the_log(revision, raft_index):
+            self._create(name, head, epochs[-1].value, raft_index, revision)
+        return revision
 
     def _create(self, name: str, head: int, last: int, raft_index: int, revision: int) -> None:
         """A new epoch after ``last``, unless another process created one since we read."""
