@@ -21,7 +21,7 @@ A new epoch ``max(now, E_last + revision + 1)`` is created when:
   its log, and every revision is one, so a member's raft index is never below
   its revision; a restore starts a new log on the old data, and the revision
   is then above it. The newest epoch is renewed unless it was written in this
-  new log (its raft index below its revision, and not above today's index).
+  new log (:meth:`Epoch.older_than_the_log`).
 
 A process looks when it first uses the backend, after a call that failed
 (a restore stops every member), and when a reply's revision is below one it
@@ -142,11 +142,6 @@ class Epochs:
             found = epoch.value
         return found
 
-    def token(self, kvs: Any, revision: int) -> int | None:
-        """The token of a key created at ``revision``, given the epochs read with it."""
-        epoch = self.epoch_for(self.parse(kvs), revision)
-        return None if epoch is None else epoch + revision
-
     # --- looking, and new epochs ------------------------------------------------------
 
     def read(self, name: str) -> tuple[list[Epoch], int]:
@@ -229,5 +224,11 @@ class Epochs:
         """
         self.look(name, force=True)
         epoch = self.epoch_for(self.read(name)[0], revision)
-        assert epoch is not None, "an epoch was just created"
+        if epoch is None:  # the new epoch's transaction failed, and nobody else made one
+            raise BackendUnavailable(
+                f"etcd has no fencing epoch under {self.root.decode()!r} for lock {name!r} "
+                f"on backend {self.transport.alias!r}, and none could be made.",
+                name=name,
+                backend=self.transport.alias,
+            )
         return epoch + revision
