@@ -68,17 +68,23 @@ def holds(events: Iterable[dict[str, Any]]) -> list[Hold]:
     """Each acquisition that completed, with when its holder stopped claiming to hold it."""
     out: list[Hold] = []
     current: dict[int, Hold] = {}
+    # The lost signal is recorded by its receiver, on the package's signal
+    # thread: possibly after the holder's own release. It still says when the
+    # lease ended by the handle's clock.
+    cuts = {
+        (e["w"], e.get("token")): e.get("until", e["inv"]) for e in events if e["op"] == "lost"
+    }
     for e in sorted(events, key=lambda e: (e["w"], e.get("cmp", e["inv"]))):
         w = e["w"]
         t = e.get("cmp", e["inv"])
         hold = current.get(w)
         if e["op"] == "acquire" and e.get("ok") is True:
-            hold = Hold(w, e["token"], e["cmp"], e["cmp"])
+            hold = Hold(w, e["token"], e["cmp"], e["cmp"], cut=cuts.get((w, e["token"])))
             current[w] = hold
             out.append(hold)
         elif hold is not None and e.get("token") == hold.token:
             if e["op"] == "lost":
-                hold.cut = e.get("until", e["inv"])
+                pass  # taken from ``cuts`` at the acquisition
             elif e["op"] == "release" and "cmp" not in e:
                 hold.end = e["inv"]
             elif e["op"] == "release":

@@ -152,3 +152,19 @@ def test_a_refused_write_by_a_holder_whose_lease_was_valid_is_a_violation() -> N
         history.check_phase(paused, events, history.holds(events), liveness_bound=5).violations
         == []
     )
+
+
+def test_a_lost_signal_recorded_after_the_release_still_ends_the_hold() -> None:
+    """The full chaos run counted 15 overlaps under ``pause`` on Redis that were not.
+
+    A paused holder resumed, found its lease lost at ``ensure()`` and at its
+    release, and only then did its ``lock_lost`` receiver (on the signal
+    thread) record when the lease had ended by its clock: the hold was
+    counted up to the release, over the next holders.
+    """
+    events = acquire(0, 0.0, 0.01, 1) + acquire(1, 2.5, 2.6, 2) + release(1, 2.7, 2.71, 2)
+    events += release(0, 3.0, 3.01, 1, ok=False)
+    events += [{"w": 0, "op": "lost", "inv": 3.02, "token": 1, "until": 2.0}]
+    holds = history.holds(events)
+    assert [h.end for h in holds] == [2.0, 2.7]
+    assert history.check_phase(phase(), events, holds, liveness_bound=5).overlaps == 0
