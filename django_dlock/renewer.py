@@ -301,13 +301,15 @@ class Renewer:
         return chunk, [held.renewal_sending() for held in chunk]
 
     def leases(self) -> list[HeldLock]:
-        """The leases handed to this renewer: added, queued or in flight."""
+        """The leases handed to this renewer (added, queued or in flight) still held here."""
         with self._cond:
-            return [
+            handed = [
                 *(held for held, _ in self._added),
                 *(entry[2] for entry in self._queue),
                 *self._sending,
             ]
+        # A released one stays queued until its turn comes: it holds nothing.
+        return [held for held in handed if not (held.released or held.detached)]
 
     def _end(self, chunk: list[HeldLock], requests: list[Any], results: list[Any]) -> None:
         """After a call: apply each reply to its handle."""
