@@ -533,17 +533,15 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
 
     def do_break(self, name: str, token: int | None) -> bool:
         base, end, _ = self._names(name)
-        tokens = self.state.epochs.tokens(name)
         while True:
-            reply = self._call(
+            kvs, tokens = self.state.epochs.ranged(
+                self._call,
                 name,
-                "kv",
-                "Range",
                 rpc.RangeRequest(key=base, range_end=end, limit=1, keys_only=True, **CREATE_ASC),
             )
-            if not reply.kvs:
+            if not kvs:
                 return False
-            kv = reply.kvs[0]
+            kv = kvs[0]
             if token is not None and tokens(kv.create_revision) != token:
                 return False  # the holder is not the lease the caller meant
             deleted = self._txn(
@@ -561,14 +559,13 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
 
     def do_list(self, prefix: str) -> list[LockInfo]:
         start = self.root + escape(prefix)
-        reply = self._call(
+        kvs, tokens = self.state.epochs.ranged(
+            self._call,
             prefix or "*",
-            "kv",
-            "Range",
             rpc.RangeRequest(key=start, range_end=range_end(start), **CREATE_ASC),
         )
         holders: dict[bytes, Any] = {}
-        for kv in reply.kvs:
+        for kv in kvs:
             base, _, _ = kv.key.rpartition(b"/")
             if len(base) <= len(self.root):
                 continue  # not a lock's key: Pdlock/<name>/<lease>
@@ -576,7 +573,6 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
         now = datetime.now(timezone.utc)
         ttls: dict[int, float] = {}
         infos = []
-        tokens = self.state.epochs.tokens(prefix or "*")
         for base, kv in holders.items():
             if kv.lease not in ttls:
                 ttls[kv.lease] = self._remaining(prefix or "*", kv.lease)
@@ -586,23 +582,19 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
         return infos
 
     def do_get(self, name: str) -> LockInfo | None:
-        """The live lease on ``name``: its oldest key, read in one range request.
+        """The live lease on ``name``: its oldest key, read in one range (with the epochs).
 
         The range covers ``Pdlock/N/`` only, so ``N/sub`` or ``Nx`` are not
         read. Its remaining time is asked of its lease, as :meth:`do_list` does.
         """
         base, end, _ = self._names(name)
-        reply = self._call(
-            name,
-            "kv",
-            "Range",
-            rpc.RangeRequest(key=base, range_end=end, limit=1, **CREATE_ASC),
+        kvs, tokens = self.state.epochs.ranged(
+            self._call, name, rpc.RangeRequest(key=base, range_end=end, limit=1, **CREATE_ASC)
         )
-        if not reply.kvs:
+        if not kvs:
             return None
-        kv = reply.kvs[0]
+        kv = kvs[0]
         now = datetime.now(timezone.utc)
-        tokens = self.state.epochs.tokens(name)
         return self._info(name, kv, self._remaining(name, kv.lease), now, tokens)
 
     def _remaining(self, name: str, lease_id: int) -> float:

@@ -205,15 +205,20 @@ class Epochs:
             ),
         )
 
-    def tokens(self, name: str) -> Callable[[int], int]:
-        """Tokens of keys by their create revision, with the epochs as they are now.
+    def ranged(
+        self, call: Callable[..., Any], name: str, request: Any
+    ) -> tuple[Any, Callable[[int], int]]:
+        """The keys a RangeRequest reads, and their tokens by create revision.
 
-        Looks first: after a restore, any process's first use (``locks list``
+        The epochs are read in the same transaction (one round trip). Looks
+        first: after a restore, any process's first use (``locks list``
         included) creates the new epoch.
         """
         self.look(name)
-        epochs = self.read(name)[0]
-        return lambda revision: (self.epoch_for(epochs, revision) or 0) + revision
+        reply = call(name, "kv", "Txn", txn([], [rpc.RequestOp(request_range=request), self.op]))
+        epochs = self.parse(reply.responses[1].response_range.kvs)
+        tokens = lambda revision: (self.epoch_for(epochs, revision) or 0) + revision  # noqa: E731
+        return reply.responses[0].response_range.kvs, tokens
 
     def token_of(self, name: str, revision: int) -> int:
         """The token of our key created at ``revision``, read after the fact.

@@ -311,15 +311,11 @@ class EtcdSlots(BaseLockBackend):
 
     def do_break_slot(self, name: str, token: int | None) -> int:
         base = self._slots_base(name)
-        reply = self._call(
-            name,
-            "kv",
-            "Range",
-            rpc.RangeRequest(key=base, range_end=range_end(base), **CREATE_ASC),
+        kvs, tokens = self.state.epochs.ranged(
+            self._call, name, rpc.RangeRequest(key=base, range_end=range_end(base), **CREATE_ASC)
         )
         freed = 0
-        tokens = self.state.epochs.tokens(name)
-        for kv, granted in _queue(reply.kvs):
+        for kv, granted in _queue(kvs):
             if not granted or token not in (None, tokens(kv.create_revision)):
                 continue
             # Only if it is still that key: a holder that released meanwhile
@@ -333,20 +329,18 @@ class EtcdSlots(BaseLockBackend):
     def do_list_slots(self, prefix: str) -> list[SlotEntry]:
         root = self._slots_root()
         start = root + escape(prefix)
-        reply = self._call(
+        kvs, tokens = self.state.epochs.ranged(
+            self._call,
             prefix or "*",
-            "kv",
-            "Range",
             rpc.RangeRequest(key=start, range_end=range_end(start), **CREATE_ASC),
         )
         by_name: dict[bytes, list[Any]] = {}
-        for kv in reply.kvs:
+        for kv in kvs:
             escaped, _, _ = kv.key[len(root) :].rpartition(b"/")
             by_name.setdefault(escaped, []).append(kv)
         entries = []
         now = datetime.now(timezone.utc)
         ttls: dict[int, float] = {}
-        tokens = self.state.epochs.tokens(prefix or "*")
         for escaped, kvs in by_name.items():
             name = unescape(escaped)
             for kv, granted in _queue(kvs):
