@@ -427,3 +427,35 @@ def test_sqlite_a_write_transaction_longer_than_a_ttl_holds_up_the_renewals(
         while "falling behind" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.05)
     assert "a transaction holding the database's write lock" in caplog.text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_a_lease_taken_by_another_at_the_commit_is_lost_before_the_caller_resumes(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of issue 28: the commit's renewal found the lease taken, and told nobody.
+
+    The handle to mark lost was looked for among the leases scheduled for
+    renewal, which left out those whose renewal was queued or in flight. Here
+    another connection takes the lock between the COMMIT and the hooks (a
+    slow fsync): the row had run out while the transaction was open.
+    """
+    connection = connections["default"]
+    commit = connection._commit
+    taken: list[Any] = []
+    take = functools.partial(lock, name, backend="db-sqlite", ttl=1, timeout=0)
+
+    def slow_commit() -> None:
+        commit()
+        time.sleep(0.4)  # renewals fall here: queued, then in flight
+        taken.append(_on_another_thread(lambda: take().acquire()))
+
+    monkeypatch.setattr(connection, "_commit", slow_commit)
+    with transaction.atomic():
+        held = take().acquire()
+        time.sleep(1.5)  # the row runs out; renewals are put off
+    monkeypatch.undo()
+    [other] = taken
+    assert not isinstance(other, Exception), other
+    assert held.lost  # before the caller's next line, not at a later renewal
+    other.release()
