@@ -10,12 +10,28 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+T = TypeVar("T", bound=_Named)
 
 # One encoder: json.dumps() with non-default arguments builds a new one per call.
-_ENCODER = json.JSONEncoder(separators=(",", ":"))
+# NaN and infinities are refused: JSON has no such numbers, and one of them in
+# a holder's metadata made ``manage.py locks --json`` an invalid document.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+#: Names that start with this are django-dlock's own (the watchdog's lag notes,
+#: the probe's lease): no lock name may start with it, so that no process can
+#: take, fake or break them through the API, and listings leave them out. The
+#: unit separator (U+001F) starts no name a person would choose.
+INTERNAL_PREFIX = "\x1fdlock:"
 _HOST = socket.gethostname()
 
 
@@ -68,6 +84,11 @@ def validate_name(name: object, *, what: str = "A lock name") -> str:
         raise ValueError("A lock name must not be empty.")
     if "\x00" in name:
         raise ValueError(f"{what} must not contain a NUL character: {name!r}.")
+    if what == "A lock name" and name.startswith(INTERNAL_PREFIX):
+        raise ValueError(
+            f"Lock names starting {INTERNAL_PREFIX!r} are django-dlock's own (the watchdog's "
+            f"notes, the probe's lease): {name!r}."
+        )
     try:
         name.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -76,6 +97,20 @@ def validate_name(name: object, *, what: str = "A lock name") -> str:
             f"position {e.start}."
         ) from None
     return name
+
+
+def without_internal(leases: Iterable[T], prefix: str) -> Iterator[T]:
+    """``leases`` (each with a ``name``) without django-dlock's own, unless ``prefix`` asks."""
+    if prefix.startswith(INTERNAL_PREFIX):
+        return iter(leases)
+    return (info for info in leases if not info.name.startswith(INTERNAL_PREFIX))
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped, so a name cannot drive the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 def validate_ttl(ttl: object, *, what: str = "ttl") -> float:

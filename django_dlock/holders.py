@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from itertools import islice
 from typing import Any
 
+from ._validation import printable as printable
 from .backends.base import LockInfo
 from .backends.types import SemaphoreInfo
 from .exceptions import DLockError
@@ -227,11 +228,11 @@ def leases_as_json(infos: Iterable[LockInfo], now: datetime) -> str:
 
 def _lease_fields(infos: Iterable[LockInfo], now: datetime) -> Iterator[str]:
     """The JSON members of each lease, without braces (a slot's row adds its own)."""
-    encode, dumps, inf = _encode_str, json.dumps, math.inf
+    encode, inf = _encode_str, math.inf
     for info in infos:
         holder = info.holder_json
-        if holder is None or not holder.isascii():
-            holder = dumps(info.holder)
+        if holder is None or not holder.isascii() or "NaN" in holder or "Infinity" in holder:
+            holder = finite_json(info.holder)
         held = (now - info.acquired_at).total_seconds()
         if info.expires_in == inf:
             expires = '"expires_at":null,"expires_in":null'
@@ -245,6 +246,29 @@ def _lease_fields(infos: Iterable[LockInfo], now: datetime) -> Iterator[str]:
             f'"acquired_at":"{info.acquired_at.isoformat()}",{expires},'
             f'"held_for":{held if held > 0 else 0.0!r}'
         )
+
+
+def finite_json(value: Any) -> str:
+    """``json.dumps(value)``, with NaN and the infinities as the strings "NaN", "Infinity".
+
+    JSON has no such numbers; ``dump_holder`` refuses them, but a lease
+    written by another version or straight to the lock service may hold
+    them, and one of them would make a whole listing invalid JSON.
+    """
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value).replace("inf", "Infinity").replace("nan", "NaN")
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
 
 
 def slot_as_json(slot: Slot, now: datetime) -> str:
@@ -273,13 +297,6 @@ def slot_as_json(slot: Slot, now: datetime) -> str:
     nobody = {"backend": sem.backend, "name": sem.name, "token": None, "holder": None}
     nobody.update(dict.fromkeys(("acquired_at", "expires_at", "expires_in", "held_for")))
     return f"{{{json.dumps(nobody, separators=(',', ':'))[1:-1]},{extra}}}"
-
-
-def printable(text: str) -> str:
-    """``text`` with control characters escaped, so a name cannot drive the terminal."""
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 def table(rows: Iterable[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:

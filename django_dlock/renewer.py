@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._validation import holder_metadata, new_owner
+from ._validation import INTERNAL_PREFIX, holder_metadata, new_owner, printable
 from .backends.types import BoundElsewhere
 from .clocks import ClockProbe
 from .dispatch import get_dispatcher, mark_lease_thread, send_robust
@@ -42,8 +42,9 @@ ROUND = 2000
 LATE_SHARE = 1 / 6
 #: A lag episode ends after this many seconds without a late renewal.
 LAG_QUIET = 60.0
-#: Lock names under which a lagging process leaves a note for ``locks check``.
-LAG_PREFIX = "dlock:watchdog-lagging:"
+#: Lock names under which a lagging process leaves a note for ``locks check``:
+#: django-dlock's own names, which no lock can take (``INTERNAL_PREFIX``).
+LAG_PREFIX = f"{INTERNAL_PREFIX}watchdog-lagging:"
 #: How long that note lasts, in seconds.
 LAG_NOTE_TTL = 600.0
 
@@ -412,19 +413,32 @@ def lag_notes(backend: BaseLockBackend) -> list[str]:
     """What ``locks check`` warns of: processes whose watchdog fell behind on ``backend``.
 
     Each lagging process leaves a note (a lease under ``LAG_PREFIX``) that
-    lasts ``LAG_NOTE_TTL`` seconds.
+    lasts ``LAG_NOTE_TTL`` seconds. A note is read as data, never trusted:
+    one whose metadata is not what ``_leave_note`` writes (written to the
+    lock service directly) is reported as malformed, and no field of it
+    reaches the text unescaped.
     """
     notes = []
     for info in backend.list(LAG_PREFIX):
         holder = info.holder
-        lag = holder.get("watchdog_lag") or {}
+        lag = holder.get("watchdog_lag") if isinstance(holder, dict) else None
+        if not isinstance(lag, dict):
+            notes.append(f"a malformed watchdog lag note: {_field(info.name)}")
+            continue
         notes.append(
-            f"the watchdog of process {holder.get('pid')} on {holder.get('host')} fell behind "
-            f"renewing leases at {holder.get('acquired_at')}: renewals went out "
-            f"{lag.get('late_s')} s late, {lag.get('waiting')} lease(s) waited and "
-            f"{lag.get('ran_out')} ran out first (noted for {LAG_NOTE_TTL / 60:g} minutes)"
+            f"the watchdog of process {_field(holder.get('pid'))} on "
+            f"{_field(holder.get('host'))} fell behind renewing leases at "
+            f"{_field(holder.get('acquired_at'))}: renewals went out {_field(lag.get('late_s'))} "
+            f"s late, {_field(lag.get('waiting'))} lease(s) waited and "
+            f"{_field(lag.get('ran_out'))} ran out first (noted for {LAG_NOTE_TTL / 60:g} minutes)"
         )
     return notes
+
+
+def _field(value: object) -> str:
+    """A note's field as text with no control character in it (at most 100 of them)."""
+    text = value if isinstance(value, str) else repr(value)
+    return printable(text[:100] + ("..." if len(text) > 100 else ""))
 
 
 WAITED = (

@@ -387,6 +387,6 @@ def test_a_watchdog_lagging_receiver_that_waits_for_a_held_lock_delays_no_renewa
             first.ensure()
             first.release()
             for info in locks[alias].list(LAG_PREFIX):
-                locks[alias].break_lock(info.name)
+                locks[alias].do_break(info.name, None)
     finally:
         watchdog_lagging.disconnect(dispatch_uid="lag-waits")

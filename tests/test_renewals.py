@@ -222,4 +222,4 @@ def test_a_renewal_thread_that_falls_behind(lagging_backend: BaseLockBackend, na
         watchdog_lagging.disconnect(dispatch_uid="test-lagging")
         logging.getLogger("django_dlock").removeHandler(handler)
         for info in backend.list(LAG_PREFIX):
-            backend.break_lock(info.name)
+            backend.do_break(info.name, None)

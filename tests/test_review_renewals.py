@@ -29,7 +29,7 @@ def alias(request: pytest.FixtureRequest) -> Iterator[str]:
     ):
         yield alias
         for info in locks[alias].list(LAG_PREFIX):
-            locks[alias].break_lock(info.name)
+            locks[alias].do_break(info.name, None)
 
 
 def hold_renewer(alias: str, seconds: float) -> threading.Event:

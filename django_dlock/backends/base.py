@@ -122,6 +122,7 @@ from .._validation import (
     validate_name,
     validate_timeout,
     validate_ttl,
+    without_internal,
 )
 from ..exceptions import (
     BackendUnavailable,
@@ -143,6 +144,7 @@ from .attempts import (
 )
 from .capabilities import RenamedCapabilities
 from .offload import Handoff, Offload, release_unwanted, retrieve_outcome
+from .probe import probe
 from .types import (
     Grant,
     LockInfo,
@@ -572,7 +574,7 @@ class BaseLockBackend(RenamedCapabilities):
     def list(self, prefix: str = "") -> list[LockInfo]:
         """Live leases whose names start with ``prefix``, sorted by name."""
         prefix = validate_name(prefix, what="A lock name prefix")
-        return sorted(self.do_list(prefix), key=attrgetter("name"))
+        return sorted(without_internal(self.do_list(prefix), prefix), key=attrgetter("name"))
 
     def iter_list(self, prefix: str = "") -> Iterator[LockInfo]:
         """:meth:`list`, one lease at a time, in the same order.
@@ -583,7 +585,8 @@ class BaseLockBackend(RenamedCapabilities):
         twice. A backend that stops answering midway raises
         ``BackendUnavailable`` from the iteration, after the leases already given.
         """
-        return self.do_iter_list(validate_name(prefix, what="A lock name prefix"))
+        prefix = validate_name(prefix, what="A lock name prefix")
+        return without_internal(self.do_iter_list(prefix), prefix)
 
     def get(self, name: str) -> LockInfo | None:
         """The live lease on ``name``, or None when nobody holds it; one lookup."""
@@ -636,10 +639,12 @@ class BaseLockBackend(RenamedCapabilities):
         return broken
 
     def ping(self) -> ServerStatus:
-        """One round trip to the lock service: its version and how long the trip took.
+        """The service's version and that trip's time; then a probe lease (``probe.py``).
 
-        Raises ``BackendUnavailable`` when the service does not answer.
+        ``BackendUnavailable`` when it does not answer, or no lease can be taken on it.
         """
         started = time.monotonic()
         version, warnings = self.do_ping()
-        return ServerStatus(self.alias, version, time.monotonic() - started, warnings)
+        latency = time.monotonic() - started
+        probe(self)  # and a lock can be taken there (backends/probe.py)
+        return ServerStatus(self.alias, version, latency, warnings)
