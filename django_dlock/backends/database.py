@@ -150,6 +150,16 @@ class DatabaseBackend(BoundLeases, DatabaseSlots, BaseLockBackend):
                 "the database with OPTIONS={'database': '<alias in DATABASES>'}.",
                 alias=alias,
             )
+        if not apps.is_installed("django_dlock"):
+            # Its table's model cannot be imported; say so before any lock
+            # fails with Django's "doesn't declare an explicit app_label".
+            raise LockConfigurationError(
+                f"Lock backend {alias!r} uses the database backend, which needs "
+                "'django_dlock' in INSTALLED_APPS for its table: add it there and run "
+                "`manage.py migrate`.",
+                alias=alias,
+                check_id="django_dlock.E007",
+            )
         self.database = self.options.get("database", DEFAULT_DB_ALIAS)
         if not isinstance(self.database, str):
             raise LockConfigurationError(
@@ -164,15 +174,6 @@ class DatabaseBackend(BoundLeases, DatabaseSlots, BaseLockBackend):
         from django.conf import settings
 
         errors: list[checks.CheckMessage] = []
-        if not apps.is_installed("django_dlock"):
-            errors.append(
-                checks.Error(
-                    f"Lock backend {self.alias!r} uses the database backend, which needs "
-                    "'django_dlock' in INSTALLED_APPS for its table.",
-                    hint="Add 'django_dlock' to INSTALLED_APPS and run migrate.",
-                    id="django_dlock.E007",
-                )
-            )
         if self.database not in settings.DATABASES:
             errors.append(
                 checks.Error(
