@@ -373,7 +373,7 @@ def test_break_frees_the_one_slot_chosen_by_token(name: str) -> None:
         assert error.returncode == 2
         assert f"semaphore '{name}' has 3 holder(s)" in str(error)
         assert str(first.token) in str(error) and "--all-slots" in str(error)
-        assert f"manage.py locks break {shlex.quote(name)} --token {first.token}" in str(error)
+        assert f"manage.py locks break --token {first.token} -- {shlex.quote(name)}" in str(error)
         for held in (first, second, third):
             held.ensure()
 
@@ -612,7 +612,7 @@ def test_exit_codes_of_the_process(redis_only: str, tmp_path: Path, name: str) -
     assert "invalid choice: 'nope'" in result.stderr
     result = manage("redis_only_settings", "--watch", "0", extra_path=redis_only)
     assert result.returncode == 2
-    assert "the interval must be a positive number" in result.stderr
+    assert "must be a positive number of seconds" in result.stderr
     result = manage("redis_only_settings", "check", extra_path=redis_only)
     assert result.returncode == 0, result.stderr
     assert "Redis " in result.stdout

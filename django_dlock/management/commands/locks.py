@@ -17,7 +17,9 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import shlex
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +29,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ... import holders
+from ..._validation import printable
 from ...backends.types import LockInfo
 from ...checks import check_backends
 from ...exceptions import DLockError, LockConfigurationError
@@ -37,6 +40,8 @@ from ...watchdog import lag_notes
 NOTHING_MATCHED = 1
 USAGE = 2
 UNAVAILABLE = 3
+#: The reader of the output went away (128 + SIGPIPE, as a shell reports it).
+BROKEN_PIPE = 141
 
 #: ``--watch`` with no number refreshes this often (seconds).
 WATCH_INTERVAL = 2.0
@@ -80,7 +85,14 @@ class Command(BaseCommand):
         brk.add_argument(
             "--prefix",
             default=argparse.SUPPRESS,
-            help="Break every lease whose name starts with PREFIX (needs --yes).",
+            help="Break every lease whose name starts with PREFIX (needs --yes; an empty "
+            "PREFIX is refused: that is --all).",
+        )
+        brk.add_argument(
+            "--all",
+            action="store_true",
+            dest="everything",
+            help="Break every lease on the backend(s) (needs --yes).",
         )
         brk.add_argument(
             "--token",
@@ -146,7 +158,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--watch",
             nargs="?",
-            type=_positive_seconds,
+            type=_seconds,
             const=WATCH_INTERVAL,
             default=None if default else argparse.SUPPRESS,
             metavar="SECONDS",
@@ -154,6 +166,16 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            self.run(**options)
+        except BrokenPipeError:
+            # The reader left (`locks --json | head`): stop quietly, as a
+            # command killed by SIGPIPE would, and let no flush at exit fail.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            raise SystemExit(BROKEN_PIPE) from None
+
+    def run(self, **options: Any) -> None:
         problems = [message for message in check_backends() if message.is_serious()]
         if problems:
             raise CommandError(
@@ -172,10 +194,21 @@ class Command(BaseCommand):
         elif subcommand == "show":
             self.show_lock(options["name"], backend, options.get("json", False))
         elif subcommand == "break":
+            prefix = options.get("prefix")
+            if options["everything"]:
+                if prefix is not None:
+                    raise CommandError("Give --prefix or --all, not both.", returncode=USAGE)
+                prefix = ""
+            elif prefix == "":
+                raise CommandError(
+                    "An empty --prefix matches every lease: an unset variable in a script "
+                    "gives one. Nothing broken; to break every lease, say --all.",
+                    returncode=USAGE,
+                )
             self.break_locks(
                 options.get("name"),
                 backend,
-                options.get("prefix"),
+                prefix,
                 options["yes"],
                 options["token"],
                 options["all_slots"],
@@ -188,16 +221,15 @@ class Command(BaseCommand):
     def list_locks(self, backend: str | None, prefix: str, as_json: bool) -> None:
         if as_json:
             errors = self.write_json(backend, prefix)
-            for alias, error in errors.items():
-                self.stderr.write(f"{alias}: {error}")
+            self.write_errors(errors)
             self.fail_for(errors)
             return
         with _collector_paused():
             listing = holders.current_holders(backend, prefix)
             output = self.render(listing, backend, prefix, as_json)
-        for alias, error in listing.errors.items():
-            self.stderr.write(f"{alias}: {error}")
-        self.stdout.write(output)
+        self.write_errors(listing.errors)
+        if output:
+            self.stdout.write(output)
         self.fail_for(listing.errors)
 
     def write_json(self, backend: str | None, prefix: str) -> dict[str, DLockError]:
@@ -235,11 +267,18 @@ class Command(BaseCommand):
             items += [holders.slot_as_json(slot, now) for slot in listing.slots]
             return "[" + ",".join(items) + "]"
         lines = [
-            self.style.ERROR(f"{alias}: {error}")
+            self.style.ERROR(printable(f"{alias}: {error}"))
             for alias, error in (listing.errors.items() if with_errors else ())
         ]
         if not listing.holders and not listing.slots:
+            # Only the backends that answered: a lock table not migrated
+            # holds no lock, but it does not say so either.
+            answered = [alias for alias in holders.aliases(backend) if alias not in listing.errors]
+            if not answered:
+                return "\n".join(lines)
             where = f" on backend {backend!r}" if backend else ""
+            if listing.errors:
+                where = f" on backend(s) {', '.join(answered)}"
             under = f" with names starting {prefix!r}" if prefix else ""
             return "\n".join([*lines, f"No locks held{where}{under}."])
         if listing.holders:
@@ -255,6 +294,11 @@ class Command(BaseCommand):
             lines += [self.style.MIGRATE_HEADING(header), *rows]
         return "\n".join(lines)
 
+    def write_errors(self, errors: dict[str, DLockError]) -> None:
+        """Each backend's error on stderr, escaped: a message may quote a lock's name."""
+        for alias, error in errors.items():
+            self.stderr.write(printable(f"{alias}: {error}"))
+
     def fail_for(self, errors: dict[str, DLockError]) -> None:
         if errors:
             raise CommandError(
@@ -267,8 +311,7 @@ class Command(BaseCommand):
             while True:
                 if as_json:
                     # One JSON document per refresh, each on one line (NDJSON).
-                    for alias, error in self.write_json(backend, prefix).items():
-                        self.stderr.write(f"{alias}: {error}")
+                    self.write_errors(self.write_json(backend, prefix))
                 else:
                     listing = holders.current_holders(backend, prefix)
                     # On a screen that is redrawn, errors belong in the frame.
@@ -315,10 +358,11 @@ class Command(BaseCommand):
             raise CommandError(f"{name!r} is not held{_on(backend)}.", returncode=NOTHING_MATCHED)
 
     def write_fields(self, fields: list[tuple[str, str]]) -> None:
-        width = max(len(label) for label, _ in fields)
+        width = max(len(printable(label)) for label, _ in fields)
         for label, value in fields:
+            label = printable(label)
             self.stdout.write(
-                f"{self.style.MIGRATE_LABEL(label.ljust(width))}  {holders.printable(value)}"
+                f"{self.style.MIGRATE_LABEL(label.ljust(width))}  {printable(value)}"
             )
         self.stdout.write("")
 
@@ -334,7 +378,9 @@ class Command(BaseCommand):
         all_slots: bool = False,
     ) -> None:
         if (name is None) == (prefix is None):
-            raise CommandError("Give a lock NAME or --prefix PREFIX, not both.", returncode=USAGE)
+            raise CommandError(
+                "Give a lock NAME, --prefix PREFIX or --all: one of them.", returncode=USAGE
+            )
         if token is not None and name is None:
             raise CommandError(
                 "--token needs a lock NAME: tokens count per name.", returncode=USAGE
@@ -342,17 +388,17 @@ class Command(BaseCommand):
         if token is not None and all_slots:
             raise CommandError("Give --token or --all-slots, not both.", returncode=USAGE)
         if prefix is not None and not yes:
+            shown = f" --prefix {shell_quote(prefix)}" if prefix else ""
             raise CommandError(
-                f"Breaking by --prefix needs --yes. `manage.py locks list --prefix {prefix}` "
-                "shows what it would break.",
+                f"Breaking by {'--prefix' if prefix else '--all'} needs --yes. "
+                f"`manage.py locks list{shown}` shows what it would break.",
                 returncode=USAGE,
             )
         if name is not None:
             listing = holders.find_holders(name, backend, slots=True)
         else:
             listing = holders.current_holders(backend, prefix or "")
-        for alias, error in listing.errors.items():
-            self.stderr.write(f"{alias}: {error}")
+        self.write_errors(listing.errors)
         # Rows with no holder (only waiters or parked calls) have no slot to free.
         held = [slot for slot in listing.slots if slot.lease is not None]
         left: list[holders.Slot] = []
@@ -370,8 +416,10 @@ class Command(BaseCommand):
                 what = f"{name!r} has no lease or slot with token {token}"
             elif name is not None:
                 what = f"{name!r} is not held"
-            else:
+            elif prefix:
                 what = f"no name starting {prefix!r} is held"
+            else:
+                what = "no lease is held"
             raise CommandError(
                 f"Nothing broken: {what}{_on(backend)}.", returncode=NOTHING_MATCHED
             )
@@ -385,7 +433,7 @@ class Command(BaseCommand):
             try:
                 done = holders.break_holder(info)
             except DLockError as e:
-                self.stderr.write(f"{info.backend}: {e}")
+                self.write_errors({info.backend: e})
                 listing.errors[info.backend] = e
                 continue
             where = f"'{holders.printable(info.name)}' on {info.backend} (token {info.token}"
@@ -404,7 +452,7 @@ class Command(BaseCommand):
             try:
                 done = holders.break_slot(slot)
             except DLockError as e:
-                self.stderr.write(f"{lease.backend}: {e}")
+                self.write_errors({lease.backend: e})
                 listing.errors[lease.backend] = e
                 continue
             where = (
@@ -492,9 +540,13 @@ class Command(BaseCommand):
                 style = self.style.SUCCESS if r["ok"] and not r["warnings"] else self.style.WARNING
                 self.stdout.write(style(line) if r["ok"] else self.style.ERROR(line))
                 for warning in r["warnings"]:
-                    self.stdout.write(self.style.WARNING(f"  {r['backend']}: {warning}"))
+                    self.stdout.write(
+                        self.style.WARNING(printable(f"  {r['backend']}: {warning}"))
+                    )
                 if r["error"]:
-                    self.stdout.write(self.style.ERROR(f"  {r['backend']}: {r['error']}"))
+                    self.stdout.write(
+                        self.style.ERROR(printable(f"  {r['backend']}: {r['error']}"))
+                    )
         failed = [r["backend"] for r in results if not r["ok"]]
         if failed:
             raise CommandError(
@@ -503,7 +555,10 @@ class Command(BaseCommand):
 
 
 def _seconds(value: str) -> float:
-    """``--timeout``'s argument: a positive number of seconds."""
+    """``--timeout``'s and ``--watch``'s argument: a positive number of seconds.
+
+    Bounded: ``time.sleep`` and threading's waits refuse more.
+    """
     try:
         seconds = float(value)
     except ValueError:
@@ -538,16 +593,6 @@ def _collector_paused() -> Iterator[None]:
         gc.enable()
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: the interval must be a positive number")
-    return value
-
-
 def _lease_fields(info: LockInfo, now: datetime) -> list[tuple[str, str]]:
     """What ``show`` prints of a lease: backend and name first, then token, times, holder."""
     fields = [
@@ -579,7 +624,7 @@ def _slots_left(left: list[holders.Slot]) -> str:
         kind, name = names[0]
         kind = "read/write lock" if kind == "rwlock" else "semaphore"
         what = f"{kind} '{holders.printable(name)}' has {len(left)} holder(s)"
-        how = f"manage.py locks break {shlex.quote(holders.printable(name))} --token {tokens[0]}"
+        how = f"manage.py locks break --token {tokens[0]} -- {shell_quote(name)}"
     else:
         what = f"{len(names)} semaphores and read/write locks have {len(left)} holders"
         how = "manage.py locks break NAME --token TOKEN"
@@ -587,6 +632,30 @@ def _slots_left(left: list[holders.Slot]) -> str:
         f"{what} (tokens {shown}). Breaking frees one holder's slot, chosen by its "
         f"fencing token: `{how}`. --all-slots frees every one."
     )
+
+
+def shell_quote(text: str) -> str:
+    """``text`` as one word for a POSIX shell that bash, zsh and ksh read back exactly.
+
+    ``shlex.quote`` when it is printable; otherwise ANSI-C quoting
+    (``$'...'``) with every control character escaped, so that pasting the
+    hint gives the name back and printing it cannot drive the terminal.
+    """
+    if text.isprintable():
+        return shlex.quote(text)
+    escaped = []
+    for ch in text:
+        if ch in "\\'":
+            escaped.append("\\" + ch)
+        elif ch.isprintable():
+            escaped.append(ch)
+        elif ord(ch) < 0x100:
+            escaped.append(f"\\x{ord(ch):02x}")
+        elif ord(ch) < 0x10000:
+            escaped.append(f"\\u{ord(ch):04x}")
+        else:
+            escaped.append(f"\\U{ord(ch):08x}")
+    return "$'" + "".join(escaped) + "'"
 
 
 def _on(backend: str | None) -> str:
