@@ -3,9 +3,14 @@
 There is no table behind it (``models.LockListing`` is unmanaged): the views list
 from the backends through :mod:`django_dlock.holders`, like
 ``manage.py locks``. Viewing needs ``django_dlock.view_lock``; breaking needs
-``django_dlock.break_lock``, a POST with a CSRF token, and a second POST
-from the confirmation page. Each break is written to the admin log and sends
-``lock_broken``.
+``django_dlock.view_lock`` and ``django_dlock.break_lock`` (the confirmation
+page shows the holder's metadata, which is what viewing means), a POST with a
+CSRF token, and a second POST from the confirmation page. Each break is
+written to the admin log and sends ``lock_broken``.
+
+The forms carry a lock's name as a *lock id*, the base64url of its UTF-8
+(:func:`lock_id`), never as text: a browser posts a hidden field's line
+breaks as CRLF, so a name with an LF or a CR would come back as another name.
 
 Mutexes' leases come first, one row each; then the semaphores and read/write
 locks, one row per holder's slot, in a table of their own (same paging). A
@@ -19,6 +24,9 @@ instance's lock held is refused with a message, not a server error.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import re
 from datetime import datetime
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -168,19 +176,26 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def break_view(self, request: HttpRequest) -> HttpResponse:
         """POST backend, name, token (and kind, for a slot): the confirmation page;
         with ``confirm``: the break."""
-        if not self.has_break_permission(request):
+        if not (self.has_view_permission(request) and self.has_break_permission(request)):
             raise PermissionDenied
         changelist = reverse(
             f"{self.admin_site.name}:{self.opts.app_label}_{self.opts.model_name}_changelist"
         ) + _list_query(request.POST.get("filters", ""))
         alias = request.POST.get("backend", "")
-        name = request.POST.get("name", "")
+        posted_id = request.POST.get("lock", "")
         try:
             token = int(request.POST.get("token", ""))
         except ValueError:
             token = None
-        if alias not in list(locks) or not name or token is None:
+        if alias not in list(locks) or not posted_id or token is None:
             messages.error(request, "That break request did not name a lock and its token.")
+            return HttpResponseRedirect(changelist)
+        name = name_of_lock_id(posted_id)
+        if name is None:
+            messages.error(
+                request,
+                f"{posted_id[:100]!r} is not a lock id this page wrote: nothing was broken.",
+            )
             return HttpResponseRedirect(changelist)
         is_slot = request.POST.get("kind") in SLOT_KINDS
         listing = holders.find_holders(name, alias, slots=is_slot)
@@ -249,6 +264,27 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return HttpResponseRedirect(changelist)
 
 
+def lock_id(name: str) -> str:
+    """The name as the break forms carry it: base64url of its UTF-8, without padding."""
+    encoded = base64.urlsafe_b64encode(name.encode("utf-8", "surrogatepass"))
+    return encoded.rstrip(b"=").decode("ascii")
+
+
+_LOCK_ID = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def name_of_lock_id(value: str) -> str | None:
+    """The name :func:`lock_id` gave ``value`` for; None if it gave no such id."""
+    if not _LOCK_ID.fullmatch(value) or len(value) % 4 == 1:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+        name = raw.decode("utf-8", "surrogatepass")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return name if lock_id(name) == value else None
+
+
 def _list_query(filters: str) -> str:
     """The list's own parameters from ``filters``, to go back to the page the user was on."""
     kept = [
@@ -275,6 +311,7 @@ def _row(info: LockInfo, now: datetime) -> dict[str, Any]:
     cells = holders.columns(info, now)
     return {
         "info": info,
+        "lock_id": lock_id(info.name),
         "cells": cells,
         "summary": list(zip(CONFIRM_LABELS, cells, strict=True)),
         "details": [(key, info.holder[key]) for key in info.holder],
@@ -307,6 +344,7 @@ def _slot_row(slot: holders.Slot, now: datetime) -> dict[str, Any]:
     return {
         "slot": slot,
         "info": lease,
+        "lock_id": lock_id(slot.semaphore.name),
         "cells": cells,
         "summary": list(zip(SLOT_CONFIRM_LABELS, cells, strict=True)),
         "kind": "read/write lock" if slot.semaphore.kind == "rwlock" else "semaphore",

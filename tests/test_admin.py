@@ -19,6 +19,7 @@ from django.test import Client, override_settings
 from django.urls import reverse
 
 from django_dlock import HeldLock, Lock, LockLost, LockNotOwned, lock, locks, rwlock, semaphore
+from django_dlock.admin import lock_id
 from django_dlock.backends.base import BaseLockBackend
 from django_dlock.parking import park_payload
 from django_dlock.signals import lock_broken
@@ -96,7 +97,12 @@ def test_list_and_break_on_every_backend(
     assert f"{held.holder['host']}:{held.holder['pid']}" in page.content.decode()
 
     filters = urlencode({"backend": backend_alias, "q": name})
-    form = {"backend": backend_alias, "name": name, "token": str(held.token), "filters": filters}
+    form = {
+        "backend": backend_alias,
+        "lock": lock_id(name),
+        "token": str(held.token),
+        "filters": filters,
+    }
     confirm = admin_client.post(reverse(BREAK), form)
     assert confirm.status_code == 200
     assert "Are you sure?" in confirm.content.decode()
@@ -138,7 +144,7 @@ def held_lock(name: str) -> Iterator[HeldLock]:
 
 
 def break_form(held: Any, **extra: str) -> dict[str, str]:
-    return {"backend": "default", "name": held.name, "token": str(held.token), **extra}
+    return {"backend": "default", "lock": lock_id(held.name), "token": str(held.token), **extra}
 
 
 @pytest.mark.django_db
@@ -244,7 +250,7 @@ def test_a_lease_taken_again_since_the_page_was_shown_is_left_alone(
 @override_settings(DLOCK_BACKENDS=LOCMEM)
 @pytest.mark.parametrize(
     "form",
-    [{}, {"backend": "nope", "name": "x", "token": "1"}, {"backend": "default", "name": "x"}],
+    [{}, {"backend": "nope", "lock": "eA", "token": "1"}, {"backend": "default", "lock": "eA"}],
     ids=["empty", "unknown-backend", "no-token"],
 )
 def test_a_malformed_break_request_breaks_nothing(

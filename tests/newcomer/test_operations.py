@@ -16,6 +16,7 @@ from django.test import TestCase
 from django.urls import reverse
 
 from django_dlock import LockLost, lock
+from django_dlock.admin import lock_id
 
 
 def locks_command(*args: str) -> str:
@@ -50,7 +51,7 @@ class AdminTests(TestCase):
         page = self.client.get(reverse("admin:django_dlock_lock_changelist"))
         self.assertContains(page, "&lt;b&gt;invoice:42&lt;/b&gt;")
         self.assertNotContains(page, "<b>invoice:42</b>")
-        form = {"backend": "default", "name": held.name, "token": str(held.token)}
+        form = {"backend": "default", "lock": lock_id(held.name), "token": str(held.token)}
         self.assertContains(
             self.client.post(reverse("admin:django_dlock_lock_break"), form), "Yes, break it"
         )
