@@ -8,6 +8,12 @@ page shows the holder's metadata, which is what viewing means), a POST with a
 CSRF token, and a second POST from the confirmation page. Each break is
 written to the admin log and sends ``lock_broken``.
 
+Each backend is listed on a thread of its own, and the page waits at most
+``LockAdmin.listing_timeout`` seconds for them: a server that accepts
+connections and never answers is named on the page as not answering, and the
+others are listed (:func:`bounded_listing`). A backend whose settings are bad
+is named with its error.
+
 The forms carry a lock's name as a *lock id*, the base64url of its UTF-8
 (:func:`lock_id`), never as text: a browser posts a hidden field's line
 breaks as CRLF, so a name with an LF or a CR would come back as another name.
@@ -27,7 +33,13 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from datetime import datetime
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
@@ -36,13 +48,14 @@ from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
+from django.db import connections
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.views.decorators.http import require_POST
 
 from . import holders
-from .backends.base import LockInfo
+from .backends.base import BaseLockBackend, LockInfo
 from .exceptions import DLockError, LockTimeout
 from .handler import locks
 from .models import LockListing
@@ -56,12 +69,16 @@ REFRESH_CHOICES = (0, 5, 10, 30, 60)
 KINDS = {"mutex": "Locks", "semaphore": "Semaphores", "rwlock": "Read/write locks"}
 #: The ``kind`` of a break form that frees a slot rather than a mutex's lease.
 SLOT_KINDS = ("semaphore", "rwlock")
+#: Seconds the Locks pages wait for the backends to answer (``LockAdmin.listing_timeout``).
+LISTING_TIMEOUT = 5.0
 #: The admin model's name before it was renamed LockListing; its URL names still work.
 OLD_MODEL_NAME = "lock"
 
 
 @admin.register(LockListing)
 class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    #: Seconds the pages wait for the backends' answers (all at once, each on a thread).
+    listing_timeout = LISTING_TIMEOUT
     holders_template = "admin/django_dlock/lock/holders.html"
     confirmation_template = "admin/django_dlock/lock/break_confirmation.html"
 
@@ -111,7 +128,9 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             kind = None
         query = request.GET.get("q", "").strip()
         refresh = _refresh(request.GET.get("refresh"))
-        listing = holders.current_holders(backend)
+        listing, errors = bounded_listing(
+            holders.aliases(backend), holders.current_holders, self.listing_timeout
+        )
         found: list[LockInfo | holders.Slot] = []
         if kind in (None, "mutex"):
             found += listing.holders
@@ -158,7 +177,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "all_kinds_url": url(kind=None, p=None),
             "kind": kind,
             "query": query,
-            "errors": listing.errors,
+            "errors": errors,
             "refresh": refresh,
             "refresh_choices": [
                 (seconds, seconds == refresh, url(refresh=seconds)) for seconds in REFRESH_CHOICES
@@ -198,9 +217,13 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             )
             return HttpResponseRedirect(changelist)
         is_slot = request.POST.get("kind") in SLOT_KINDS
-        listing = holders.find_holders(name, alias, slots=is_slot)
-        if listing.errors:
-            messages.error(request, f"{alias}: {listing.errors[alias]}")
+        listing, errors = bounded_listing(
+            [alias],
+            lambda alias: holders.find_holders(name, alias, slots=is_slot),
+            self.listing_timeout,
+        )
+        if errors:
+            messages.error(request, f"{errors[0]} So nothing was broken.")
             return HttpResponseRedirect(changelist)
         current: LockInfo | holders.Slot | None
         if is_slot:
@@ -262,6 +285,87 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         )
         messages.success(request, f"{done} on {alias} (token {token}, held by {label}).")
         return HttpResponseRedirect(changelist)
+
+
+#: backend -> when each of its listings under way began (time.monotonic())
+_under_way: dict[BaseLockBackend, list[float]] = {}
+_under_way_mutex = threading.Lock()
+
+
+def bounded_listing(
+    aliases: list[str], listing_of: Callable[[str], holders.Listing], timeout: float
+) -> tuple[holders.Listing, list[str]]:
+    """``listing_of(alias)`` for each alias, merged in their order, within ``timeout``.
+
+    Each runs on a daemon thread and they run at once, so the wait is
+    ``timeout`` at most, whatever the backends do. The second value is a
+    message per backend that did not answer in time, failed, or could not be
+    created from its settings (its own error, which names it). A backend
+    whose listing has been under way for longer than ``timeout`` is not
+    asked again until it ends: a server that never answers holds the
+    threads of one ``timeout``'s requests, not one per page view.
+    """
+    merged = holders.Listing()
+    errors: dict[str, str] = {}
+    futures: dict[str, Future[holders.Listing]] = {}
+    for alias in aliases:
+        try:
+            backend = locks[alias]
+        except Exception as e:  # bad settings: an ImproperlyConfigured, or the client's own
+            errors[alias] = f"Backend {alias} is not configured correctly: {e}"
+            continue
+        started = _start(backend, partial(listing_of, alias), timeout)
+        if isinstance(started, float):
+            errors[alias] = (
+                f"Backend {alias} has not answered a listing for {started:.1f} s; "
+                "it is not asked again until that one ends."
+            )
+        else:
+            futures[alias] = started
+    wait_for(futures.values(), timeout)
+    for alias, future in futures.items():
+        if not future.done():
+            errors[alias] = f"Backend {alias} did not answer within {timeout:g} s."
+        elif (error := future.exception()) is not None:
+            errors[alias] = f"Backend {alias} did not answer: {error}"
+        else:
+            listing = future.result()
+            merged.holders += listing.holders
+            merged.slots += listing.slots
+            for failed, failure in listing.errors.items():
+                errors[failed] = f"Backend {failed} did not answer: {failure}"
+    return merged, [errors[alias] for alias in aliases if alias in errors]
+
+
+def _start(
+    backend: BaseLockBackend, call: Callable[[], holders.Listing], timeout: float
+) -> Future[holders.Listing] | float:
+    """``call()`` on a daemon thread; or, if a listing of ``backend`` has been under way
+    for longer than ``timeout``, the seconds it has been (and nothing started)."""
+    now = time.monotonic()
+    with _under_way_mutex:
+        began = _under_way.setdefault(backend, [])
+        if began and now - min(began) > timeout:
+            return now - min(began)
+        began.append(now)
+    future: Future[holders.Listing] = Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as e:
+            future.set_exception(e)
+        finally:
+            with _under_way_mutex:
+                began.remove(now)
+                if not began:
+                    _under_way.pop(backend, None)
+            if backend.uses_django_connections:
+                connections.close_all()  # this thread's own: it ends here
+
+    threading.Thread(target=run, name=f"dlock-admin:{backend.alias}", daemon=True).start()
+    return future
 
 
 def lock_id(name: str) -> str:
