@@ -9,10 +9,15 @@ costs a length check.
 Every metric is labelled by ``backend`` (the alias) and ``pattern``: the key
 template a name was made from (``"invoice:{invoice_id}"`` for ``@lock``,
 ``@locked_task`` and guarded views), else :func:`name_pattern` of the name.
-Never the full name: one label value per invoice would grow without bound.
+Never the full name: one label value per invoice would grow without bound,
+and a name may hold what must not leave the process (an e-mail address).
 A process keeps at most ``max_patterns`` distinct patterns; further ones,
 and patterns longer than ``MAX_PATTERN_LENGTH`` characters, are counted as
 ``"~other"`` (a warning is logged the first time).
+
+:func:`metrics_view` serves them to a scraper with the bearer token of
+``DLOCK_METRICS_TOKEN`` and to a logged-in user with
+``django_dlock.view_lock``; anyone else gets 403.
 
 ========================================  =========  ==========================================
 Metric                                    Type       What
@@ -38,6 +43,7 @@ Metric                                    Type       What
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -45,7 +51,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from django.http import HttpRequest, HttpResponse
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 
 try:
     from prometheus_client import (
@@ -73,6 +80,8 @@ logger = logging.getLogger("django_dlock")
 
 #: Pattern label for names beyond a process's ``max_patterns``.
 OTHER = "~other"
+#: Pattern label for names without ``:`` that no key template made.
+NO_PREFIX = "~no-prefix"
 #: Distinct patterns a process labels by, by default.
 MAX_PATTERNS = 200
 #: Longer patterns are counted as OTHER: Prometheus servers may refuse long label values.
@@ -89,11 +98,12 @@ LABELS = ("backend", "pattern")
 def name_pattern(name: str) -> str:
     """The pattern of a name not made from a template: ``"invoice:42"`` -> ``"invoice:*"``.
 
-    The part before the first ``:``, then ``:*``; a name without ``:`` is its
-    own pattern (fixed names such as ``"nightly-report"``).
+    The part before the first ``:``, then ``:*``. A name without ``:`` is
+    :data:`NO_PREFIX`, whatever it is: it may be a user id or an e-mail
+    address, which must not become a label value (nor a new time series each).
     """
     head, sep, _ = name.partition(":")
-    return f"{head}:*" if sep else name
+    return f"{head}:*" if sep else NO_PREFIX
 
 
 class Metrics(Receivers):
@@ -360,9 +370,31 @@ def uninstall() -> None:
 def metrics_view(request: HttpRequest) -> HttpResponse:
     """The installed metrics' registry in Prometheus's text format, for a URLconf.
 
+    Only to a request with ``Authorization: Bearer <DLOCK_METRICS_TOKEN>``
+    (a scraper), or from an active user with ``django_dlock.view_lock`` (a
+    browser, logged in to the admin); 403 to anyone else, and to everyone
+    while the setting is unset and nobody is logged in. The exposition names
+    the backends' aliases and the patterns of the lock names.
+
     Any metrics endpoint of that registry serves them as well
-    (``prometheus_client.start_http_server``, django-prometheus's view).
+    (``prometheus_client.start_http_server``, django-prometheus's view); they
+    have access controls of their own, or none.
     """
+    if not _may_read_metrics(request):
+        return HttpResponseForbidden(
+            "The lock metrics need Authorization: Bearer <DLOCK_METRICS_TOKEN>, or a "
+            "logged-in user with the django_dlock.view_lock permission.",
+            content_type="text/plain",
+        )
     installed = _installation.current
     registry = installed.registry if installed is not None else REGISTRY
     return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+
+
+def _may_read_metrics(request: HttpRequest) -> bool:
+    token = getattr(settings, "DLOCK_METRICS_TOKEN", None)
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    if token and scheme.lower() == "bearer" and presented:
+        return hmac.compare_digest(presented.encode(), str(token).encode())
+    user = getattr(request, "user", None)
+    return bool(user is not None and user.is_active and user.has_perm("django_dlock.view_lock"))
