@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 import re
 import threading
 import time
@@ -290,6 +291,16 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 #: backend -> when each of its listings under way began (time.monotonic())
 _under_way: dict[BaseLockBackend, list[float]] = {}
 _under_way_mutex = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """The threads that would end the listings under way did not come along."""
+    global _under_way_mutex
+    _under_way_mutex = threading.Lock()
+    _under_way.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def bounded_listing(
