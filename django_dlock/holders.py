@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -361,3 +362,46 @@ def slot_columns(slot: Slot, now: datetime) -> tuple[str, ...]:
         str(sem.waiting),
         str(sem.parked),
     )
+
+
+def slots_left(left: list[Slot]) -> str:
+    """Why the slots in ``left`` were not freed, and how to free them."""
+    names = sorted({(slot.semaphore.kind, slot.semaphore.name) for slot in left})
+    tokens = [str(slot.lease.token) for slot in left if slot.lease is not None]
+    shown = ", ".join(tokens[:5]) + (", ..." if len(tokens) > 5 else "")
+    if len(names) == 1:
+        kind, name = names[0]
+        kind = "read/write lock" if kind == "rwlock" else "semaphore"
+        what = f"{kind} '{printable(name)}' has {len(left)} holder(s)"
+        how = f"manage.py locks break --token {tokens[0]} -- {shell_quote(name)}"
+    else:
+        what = f"{len(names)} semaphores and read/write locks have {len(left)} holders"
+        how = "manage.py locks break NAME --token TOKEN"
+    return (
+        f"{what} (tokens {shown}). Breaking frees one holder's slot, chosen by its "
+        f"fencing token: `{how}`. --all-slots frees every one."
+    )
+
+
+def shell_quote(text: str) -> str:
+    """``text`` as one word for a POSIX shell that bash, zsh and ksh read back exactly.
+
+    ``shlex.quote`` when it is printable; otherwise ANSI-C quoting
+    (``$'...'``) with every control character escaped, so that pasting the
+    hint gives the name back and printing it cannot drive the terminal.
+    """
+    if text.isprintable():
+        return shlex.quote(text)
+    escaped = []
+    for ch in text:
+        if ch in "\\'":
+            escaped.append("\\" + ch)
+        elif ch.isprintable():
+            escaped.append(ch)
+        elif ord(ch) < 0x100:
+            escaped.append(f"\\x{ord(ch):02x}")
+        elif ord(ch) < 0x10000:
+            escaped.append(f"\\u{ord(ch):04x}")
+        else:
+            escaped.append(f"\\U{ord(ch):08x}")
+    return "$'" + "".join(escaped) + "'"

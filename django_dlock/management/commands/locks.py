@@ -18,7 +18,6 @@ import contextlib
 import gc
 import json
 import os
-import shlex
 import sys
 import threading
 import time
@@ -388,7 +387,7 @@ class Command(BaseCommand):
         if token is not None and all_slots:
             raise CommandError("Give --token or --all-slots, not both.", returncode=USAGE)
         if prefix is not None and not yes:
-            shown = f" --prefix {shell_quote(prefix)}" if prefix else ""
+            shown = f" --prefix {holders.shell_quote(prefix)}" if prefix else ""
             raise CommandError(
                 f"Breaking by {'--prefix' if prefix else '--all'} needs --yes. "
                 f"`manage.py locks list{shown}` shows what it would break.",
@@ -411,7 +410,7 @@ class Command(BaseCommand):
         if not listing.holders and not listing.slots:
             self.fail_for(listing.errors)
             if left:
-                raise CommandError(f"Nothing broken: {_slots_left(left)}", returncode=USAGE)
+                raise CommandError(f"Nothing broken: {holders.slots_left(left)}", returncode=USAGE)
             if token is not None:
                 what = f"{name!r} has no lease or slot with token {token}"
             elif name is not None:
@@ -468,7 +467,7 @@ class Command(BaseCommand):
                     self.style.WARNING(f"Left {where}): released or expired since listed.")
                 )
         if left:
-            self.stdout.write(self.style.WARNING(f"Left alone: {_slots_left(left)}"))
+            self.stdout.write(self.style.WARNING(f"Left alone: {holders.slots_left(left)}"))
         if broken == 0:
             self.fail_for(listing.errors)
             raise CommandError("Nothing broken.", returncode=NOTHING_MATCHED)
@@ -613,49 +612,6 @@ def _expires_at(info: Any) -> str:
 
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
-
-
-def _slots_left(left: list[holders.Slot]) -> str:
-    """Why the slots in ``left`` were not freed, and how to free them."""
-    names = sorted({(slot.semaphore.kind, slot.semaphore.name) for slot in left})
-    tokens = [str(slot.lease.token) for slot in left if slot.lease is not None]
-    shown = ", ".join(tokens[:5]) + (", ..." if len(tokens) > 5 else "")
-    if len(names) == 1:
-        kind, name = names[0]
-        kind = "read/write lock" if kind == "rwlock" else "semaphore"
-        what = f"{kind} '{holders.printable(name)}' has {len(left)} holder(s)"
-        how = f"manage.py locks break --token {tokens[0]} -- {shell_quote(name)}"
-    else:
-        what = f"{len(names)} semaphores and read/write locks have {len(left)} holders"
-        how = "manage.py locks break NAME --token TOKEN"
-    return (
-        f"{what} (tokens {shown}). Breaking frees one holder's slot, chosen by its "
-        f"fencing token: `{how}`. --all-slots frees every one."
-    )
-
-
-def shell_quote(text: str) -> str:
-    """``text`` as one word for a POSIX shell that bash, zsh and ksh read back exactly.
-
-    ``shlex.quote`` when it is printable; otherwise ANSI-C quoting
-    (``$'...'``) with every control character escaped, so that pasting the
-    hint gives the name back and printing it cannot drive the terminal.
-    """
-    if text.isprintable():
-        return shlex.quote(text)
-    escaped = []
-    for ch in text:
-        if ch in "\\'":
-            escaped.append("\\" + ch)
-        elif ch.isprintable():
-            escaped.append(ch)
-        elif ord(ch) < 0x100:
-            escaped.append(f"\\x{ord(ch):02x}")
-        elif ord(ch) < 0x10000:
-            escaped.append(f"\\u{ord(ch):04x}")
-        else:
-            escaped.append(f"\\U{ord(ch):08x}")
-    return "$'" + "".join(escaped) + "'"
 
 
 def _on(backend: str | None) -> str:
