@@ -351,14 +351,14 @@ def test_a_reader_that_leaves_the_pipe_ends_the_command_quietly(tmp_path: Path) 
     assert result.stderr == ""
 
 
-@override_settings(DLOCK_BACKENDS={"default": DB})
 def test_without_the_app_the_first_lock_says_to_install_it(
-    settings: Any, caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    settings.INSTALLED_APPS = [a for a in settings.INSTALLED_APPS if a != "django_dlock"]
-    with caplog.at_level(logging.DEBUG, logger="django_dlock"):
-        with pytest.raises(LockConfigurationError, match="INSTALLED_APPS") as excinfo:
-            lock("x").acquire(timeout=0)
+    apps = [a for a in settings.INSTALLED_APPS if a != "django_dlock"]
+    with override_settings(INSTALLED_APPS=apps, DLOCK_BACKENDS={"default": DB}):
+        with caplog.at_level(logging.DEBUG, logger="django_dlock"):
+            with pytest.raises(LockConfigurationError, match="INSTALLED_APPS") as excinfo:
+                lock("x").acquire(timeout=0)
     assert excinfo.value.check_id == "django_dlock.E007"
     assert "app_label" not in str(excinfo.value)
     assert not caplog.records, [r.getMessage() for r in caplog.records]
