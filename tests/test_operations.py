@@ -24,7 +24,7 @@ import pytest
 import redis
 from django.conf import settings
 from django.core.management import CommandError, call_command
-from django.db import connections
+from django.db import connections, transaction
 from django.test import Client, override_settings
 
 from django_dlock import (
@@ -93,6 +93,19 @@ def test_the_probe_takes_and_releases_a_lease_that_no_listing_shows(
     assert not [i for i in backend.list() if i.name.startswith(INTERNAL_PREFIX)]
     with pytest.raises(ValueError, match="django-dlock's own"):
         lock(PROBE_NAME, backend=backend_alias).acquire(timeout=0)
+
+
+@pytest.mark.backends("db-sqlite", "db-postgresql", "db-mysql")
+def test_a_ping_inside_a_transaction_leaves_nothing_behind(
+    backend_alias: str, backend: BaseLockBackend
+) -> None:
+    database = settings.CONFORMANCE_BACKENDS[backend_alias]
+    with transaction.atomic(using=database):
+        backend.ping()
+        backend.ping()
+    assert backend.do_get(PROBE_NAME) is None
+    with lock("after-the-pings", backend=backend_alias, ttl=2) as held:
+        held.ensure()
 
 
 def test_a_lock_table_not_migrated_fails_the_probe_and_says_migrate(tmp_path: Path) -> None:

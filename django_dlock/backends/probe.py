@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._validation import INTERNAL_PREFIX, holder_metadata, new_owner
-from ..exceptions import BackendUnavailable
+from ..exceptions import BackendUnavailable, LockInTransaction
 
 if TYPE_CHECKING:
     from .base import BaseLockBackend
@@ -43,8 +43,10 @@ def probe(backend: BaseLockBackend) -> None:
     holder = holder_metadata(PROBE_TTL, {"probe": True})[1]
     try:
         granted = backend.do_acquire(PROBE_NAME, owner, PROBE_TTL, holder, False)
-    except Busy:
-        return  # SQLite's write lock was held: the database answered, busy
+    except (Busy, LockInTransaction):
+        # SQLite's write lock was held, or (inside a caller's atomic block)
+        # another probe held the name: the database answered.
+        return
     except BackendUnavailable as e:
         raise BackendUnavailable(
             f"Lock backend {backend.alias!r} answered its ping, but no lock can be taken on "
