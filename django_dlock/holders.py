@@ -22,6 +22,8 @@ from datetime import datetime, timezone
 from itertools import islice
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
+
 from ._validation import printable as printable
 from .backends.base import LockInfo
 from .backends.types import SemaphoreInfo
@@ -57,9 +59,22 @@ class Listing:
     """
 
     holders: list[LockInfo] = field(default_factory=list)
-    errors: dict[str, DLockError] = field(default_factory=dict)
+    errors: dict[str, Exception] = field(default_factory=dict)
     taken_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     slots: list[Slot] = field(default_factory=list)
+
+
+def failure_text(error: Exception) -> str:
+    """What a tool says of a backend's failure: its message, or its type when unexpected.
+
+    The tools report each backend's failure by its alias and go on with the
+    others: a ``BackendUnavailable`` or a ``LockConfigurationError`` (bad
+    settings) by its message, anything else (a client library's own
+    error) with its type, so that it can be told from ours.
+    """
+    if isinstance(error, (DLockError, ImproperlyConfigured)):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
 
 
 def aliases(backend: str | None = None) -> list[str]:
@@ -74,7 +89,7 @@ def current_holders(backend: str | None = None, prefix: str = "") -> Listing:
         try:
             listing.holders.extend(locks[alias].list(prefix))
             _add_slots(listing, alias, prefix)
-        except DLockError as e:
+        except Exception as e:  # a backend's failure is reported, never a traceback
             listing.errors[alias] = e
     return listing
 
@@ -84,7 +99,7 @@ JSON_BATCH = 1000
 
 
 def iter_json(
-    backend: str | None, prefix: str, now: datetime, errors: dict[str, DLockError]
+    backend: str | None, prefix: str, now: datetime, errors: dict[str, Exception]
 ) -> Iterator[str]:
     """The objects of ``[...]`` that ``current_holders`` as JSON holds, in its order, streamed.
 
@@ -100,14 +115,14 @@ def iter_json(
             leases = locks[alias].iter_list(prefix)
             while batch := list(islice(leases, JSON_BATCH)):
                 yield leases_as_json(batch, now)
-        except DLockError as e:
+        except Exception as e:  # a backend's failure is reported, never a traceback
             errors[alias] = e
     for alias in aliases(backend):
         if alias in errors or not locks[alias].supports_semaphores:
             continue
         try:
             rows = [slot for info in locks[alias].semaphores(prefix) for slot in slots_of(info)]
-        except DLockError as e:
+        except Exception as e:  # a backend's failure is reported, never a traceback
             errors[alias] = e
             continue
         if rows:
@@ -128,7 +143,7 @@ def find_holders(name: str, backend: str | None = None, *, slots: bool = False) 
                 listing.holders.append(info)
             if slots:
                 _add_slots(listing, alias, name, exact=True)
-        except DLockError as e:
+        except Exception as e:  # a backend's failure is reported, never a traceback
             listing.errors[alias] = e
     return listing
 

@@ -27,11 +27,11 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ... import holders
+from ... import conf, holders
 from ..._validation import printable
 from ...backends.types import LockInfo
 from ...checks import check_backends
-from ...exceptions import DLockError, LockConfigurationError
+from ...exceptions import LockConfigurationError
 from ...handler import locks
 from ...pings import ping_within
 from ...watchdog import lag_notes
@@ -231,7 +231,7 @@ class Command(BaseCommand):
             self.stdout.write(output)
         self.fail_for(listing.errors)
 
-    def write_json(self, backend: str | None, prefix: str) -> dict[str, DLockError]:
+    def write_json(self, backend: str | None, prefix: str) -> dict[str, Exception]:
         """Write the listing as one JSON array, a batch of leases at a time.
 
         What ``render(..., as_json=True)`` returns, without holding it: the
@@ -239,7 +239,7 @@ class Command(BaseCommand):
         that lists page by page (Redis). Returns the backends that failed;
         the array stays valid JSON when one fails midway.
         """
-        errors: dict[str, DLockError] = {}
+        errors: dict[str, Exception] = {}
         now = datetime.now(timezone.utc)
         write = self.stdout.write
         write("[", ending="")
@@ -266,7 +266,7 @@ class Command(BaseCommand):
             items += [holders.slot_as_json(slot, now) for slot in listing.slots]
             return "[" + ",".join(items) + "]"
         lines = [
-            self.style.ERROR(printable(f"{alias}: {error}"))
+            self.style.ERROR(printable(f"{alias}: {holders.failure_text(error)}"))
             for alias, error in (listing.errors.items() if with_errors else ())
         ]
         if not listing.holders and not listing.slots:
@@ -293,12 +293,12 @@ class Command(BaseCommand):
             lines += [self.style.MIGRATE_HEADING(header), *rows]
         return "\n".join(lines)
 
-    def write_errors(self, errors: dict[str, DLockError]) -> None:
+    def write_errors(self, errors: dict[str, Exception]) -> None:
         """Each backend's error on stderr, escaped: a message may quote a lock's name."""
         for alias, error in errors.items():
-            self.stderr.write(printable(f"{alias}: {error}"))
+            self.stderr.write(printable(f"{alias}: {holders.failure_text(error)}"))
 
-    def fail_for(self, errors: dict[str, DLockError]) -> None:
+    def fail_for(self, errors: dict[str, Exception]) -> None:
         if errors:
             raise CommandError(
                 f"Backend(s) {', '.join(errors)} did not answer.", returncode=UNAVAILABLE
@@ -431,7 +431,7 @@ class Command(BaseCommand):
         for info in listing.holders:
             try:
                 done = holders.break_holder(info)
-            except DLockError as e:
+            except Exception as e:
                 self.write_errors({info.backend: e})
                 listing.errors[info.backend] = e
                 continue
@@ -450,7 +450,7 @@ class Command(BaseCommand):
                 continue
             try:
                 done = holders.break_slot(slot)
-            except DLockError as e:
+            except Exception as e:
                 self.write_errors({lease.backend: e})
                 listing.errors[lease.backend] = e
                 continue
@@ -487,10 +487,9 @@ class Command(BaseCommand):
     ) -> None:
         results: list[dict[str, Any]] = []
         for alias in holders.aliases(backend):
-            backend_obj = locks[alias]
             result: dict[str, Any] = {
                 "backend": alias,
-                "class": backend_obj.path,
+                "class": str(conf.backends_setting()[alias].get("BACKEND")),
                 "ok": False,
                 "version": None,
                 "latency_ms": None,
@@ -498,9 +497,11 @@ class Command(BaseCommand):
                 "error": None,
             }
             try:
+                backend_obj = locks[alias]
+                result["class"] = backend_obj.path
                 status = ping_within(backend_obj, timeout)
-            except DLockError as e:
-                result["error"] = str(e)
+            except Exception as e:  # reported by alias, never a traceback
+                result["error"] = holders.failure_text(e)
             else:
                 result.update(
                     ok=True,
@@ -510,8 +511,10 @@ class Command(BaseCommand):
                 )
                 try:
                     result["warnings"] += lag_notes(backend_obj)
-                except DLockError as e:
-                    result["warnings"].append(f"could not read the watchdogs' lag notes: {e}")
+                except Exception as e:
+                    result["warnings"].append(
+                        f"could not read the watchdogs' lag notes: {holders.failure_text(e)}"
+                    )
             results.append(result)
         if as_json:
             self.stdout.write(json.dumps(results))
