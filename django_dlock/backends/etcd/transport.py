@@ -20,6 +20,7 @@ import grpc
 from etcd3 import etcdrpc as rpc
 
 from ...exceptions import BackendUnavailable
+from ..redaction import redacted
 
 #: gRPC codes after which the request goes to the next endpoint.
 RETRY_CODES = frozenset(
@@ -463,16 +464,24 @@ def parse_location(location: Any, options: Mapping[str, Any]) -> tuple[list[str]
     schemes = set()
     endpoints = []
     for item in items:
+        shown = redacted(item)
         if not isinstance(item, str) or not item:
-            raise ValueError(f"{item!r} is not an etcd endpoint 'host:port'.")
+            raise ValueError(f"{shown} is not an etcd endpoint 'host:port'.")
         scheme, sep, rest = item.partition("://")
         if not sep:
             scheme, rest = "", item
         if scheme not in ("", "http", "https"):
-            raise ValueError(f"{item!r}: the scheme must be http or https.")
+            raise ValueError(f"{shown}: the scheme must be http or https.")
+        if "@" in rest:
+            # gRPC would take "user:password@host" for a host name, and every
+            # message naming the endpoint would show the password.
+            raise ValueError(
+                f"{shown}: an etcd endpoint takes no user name or password; give them "
+                "as OPTIONS 'user' and 'password'."
+            )
         host, colon, port = rest.rstrip("/").rpartition(":")
         if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{item!r} is not an etcd endpoint 'host:port'.")
+            raise ValueError(f"{shown} is not an etcd endpoint 'host:port' (a port 1-65535).")
         schemes.add(scheme)
         endpoints.append(f"{host}:{port}")
     tls_files = any(options.get(k) for k in ("ca", "cert", "key"))

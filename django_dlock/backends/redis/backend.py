@@ -26,13 +26,13 @@ from redis.retry import Retry
 
 from ...exceptions import BackendUnavailable, LockConfigurationError
 from ..base import Attempt, Grant, LockInfo
+from ..redaction import redacted
 from .aio import AsyncNode
 from .connections import (
     CLIENT_ERRORS,
     Node,
     as_bytes,
     ms,
-    redacted,
     server_version,
     text,
     transient,
@@ -232,7 +232,9 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
                 "rediss",
                 "unix",
             ):
-                raise self.config_error(f"{url!r} is not a redis://, rediss:// or unix:// URL.")
+                raise self.config_error(
+                    f"{redacted(url)} is not a redis://, rediss:// or unix:// URL."
+                )
         if len(locations) > 1 and not self.redlock:
             raise self.config_error(
                 "a list of several LOCATIONs is Redlock over independent masters; use "

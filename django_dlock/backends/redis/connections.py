@@ -7,7 +7,6 @@ import os
 import threading
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from redis.exceptions import (
@@ -305,22 +304,6 @@ class _Lease:
         # At interpreter shutdown the pool may be half torn down already.
         with contextlib.suppress(Exception):
             self.give_back()
-
-
-def redacted(location: str) -> str:
-    """``location`` without its password (in the netloc or the query), for messages."""
-    parts = urlsplit(location)
-    if parts.password is not None:
-        host = parts.netloc.rpartition("@")[2]
-        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
-    pairs = parse_qsl(parts.query, keep_blank_values=True)
-    if any(key == "password" for key, _ in pairs):
-        hidden = [(key, "***" if key == "password" else value) for key, value in pairs]
-        parts = parts._replace(query=urlencode(hidden, safe="*"))
-    if parts.scheme and "://" not in location:
-        return location  # "django-redis:<alias>": no URL, no password
-    query = f"?{parts.query}" if parts.query else ""
-    return f"{parts.scheme}://{parts.netloc}{parts.path}{query}"
 
 
 def server_version(info: Any) -> str:
