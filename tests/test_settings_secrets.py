@@ -1,8 +1,8 @@
-"""No message shows a secret from a setting (issue 29, item 6).
+"""Settings that pass the checks work; none that fail later passes; no message shows a secret.
 
-A password goes in every place a setting can hold one, and is looked for in
-every check message, error, ``repr``, log line and ``manage.py locks`` output,
-with servers that refuse connections, never answer, or refuse the password.
+Issue 29, items 2 and 6. Each bad value below used to pass ``manage.py check``
+and then end ``manage.py locks`` in a traceback (or crash the check itself);
+each secret below used to reach a check message or an error.
 """
 
 from __future__ import annotations
@@ -42,6 +42,117 @@ def run_locks(*args: str) -> str:
     except CommandError as e:
         return f"{out.getvalue()}{err.getvalue()}CommandError: {e}"
     return out.getvalue() + err.getvalue()
+
+
+# --- item 2: what fails at run time fails the checks ---------------------------------------
+
+R = "redis://127.0.0.1:6379/0"
+BAD = {
+    "redis port out of range": {"BACKEND": REDIS, "LOCATION": "redis://127.0.0.1:99999/0"},
+    "redis port not a number": {"BACKEND": REDIS, "LOCATION": "redis://127.0.0.1:abc/0"},
+    "redis port 0": {"BACKEND": REDIS, "LOCATION": "redis://127.0.0.1:0/0"},
+    "redis no host": {"BACKEND": REDIS, "LOCATION": "redis://:6379/0"},
+    "redis db not a number": {"BACKEND": REDIS, "LOCATION": "redis://127.0.0.1:6379/x"},
+    "redis db query": {"BACKEND": REDIS, "LOCATION": f"{R}?db=x"},
+    "redis unknown query": {"BACKEND": REDIS, "LOCATION": f"{R}?sockettimeout=1"},
+    "redis query timeout inf": {"BACKEND": REDIS, "LOCATION": f"{R}?socket_timeout=inf"},
+    "redis unix without path": {"BACKEND": REDIS, "LOCATION": "unix://"},
+    "redis cluster db 1": {
+        "BACKEND": REDIS,
+        "LOCATION": "redis://127.0.0.1:6379/1",
+        "OPTIONS": {"cluster": True},
+    },
+    "redis unknown client_kwargs": {
+        "BACKEND": REDIS,
+        "LOCATION": R,
+        "OPTIONS": {"client_kwargs": {"sockettimeout": 1}},
+    },
+    "redis ssl client_kwargs on redis://": {
+        "BACKEND": REDIS,
+        "LOCATION": R,
+        "OPTIONS": {"client_kwargs": {"ssl_certfile": "/x.pem"}},
+    },
+    "redis cluster unknown client_kwargs": {
+        "BACKEND": REDIS,
+        "LOCATION": R,
+        "OPTIONS": {"cluster": True, "client_kwargs": {"passwrd": "x"}},
+    },
+    "redis client_kwargs timeout": {
+        "BACKEND": REDIS,
+        "LOCATION": R,
+        "OPTIONS": {"client_kwargs": {"socket_timeout": "5"}},
+    },
+    "redis client_kwargs max_connections": {
+        "BACKEND": REDIS,
+        "LOCATION": R,
+        "OPTIONS": {"client_kwargs": {"max_connections": "10"}},
+    },
+    "redlock one master's port": {
+        "BACKEND": REDLOCK,
+        "LOCATION": [R, "redis://127.0.0.1:70000/0", R],
+    },
+    "etcd port out of range": {"BACKEND": ETCD, "LOCATION": "127.0.0.1:99999"},
+    "etcd scheme": {"BACKEND": ETCD, "LOCATION": "etcd://127.0.0.1:2379"},
+    "etcd userinfo": {"BACKEND": ETCD, "LOCATION": "http://root:pw@127.0.0.1:2379"},
+    "etcd timeout inf": {"BACKEND": ETCD, "OPTIONS": {"timeout": float("inf")}},
+}
+for key in ("socket_timeout", "socket_connect_timeout"):
+    for value in (float("inf"), float("nan"), -1, 0, True, "5"):
+        BAD[f"redis {key}={value!r}"] = {
+            "BACKEND": REDIS,
+            "LOCATION": R,
+            "OPTIONS": {key: value},
+        }
+
+
+@pytest.mark.parametrize("params", list(BAD.values()), ids=list(BAD))
+def test_a_setting_that_would_fail_at_run_time_fails_the_check(params: dict[str, Any]) -> None:
+    setting = {"default": LOCMEM, "bad": params}
+    with override_settings(DLOCK_BACKENDS=setting):
+        errors = [e for e in check_backends() if e.is_serious()]
+        assert [e.id for e in errors] == ["django_dlock.E006"], errors
+        assert "'bad'" in errors[0].msg
+        with pytest.raises(LockConfigurationError) as excinfo:
+            locks["bad"]
+        assert excinfo.value.check_id == "django_dlock.E006"
+        for args in (("check",), ()):
+            output = run_locks(*args)
+            assert "CommandError" in output and "'bad'" in output, output
+
+
+def test_socket_timeout_inf_does_not_crash_manage_py_check() -> None:
+    bad = {"BACKEND": REDIS, "LOCATION": R, "OPTIONS": {"socket_timeout": float("inf")}}
+    with override_settings(DLOCK_BACKENDS={"default": LOCMEM, "bad": bad}):
+        out, err = StringIO(), StringIO()
+        with pytest.raises(Exception) as excinfo:
+            call_command("check", stdout=out, stderr=err)
+        assert type(excinfo.value).__name__ == "SystemCheckError"
+        assert "django_dlock.E006" in str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"BACKEND": REDIS, "LOCATION": f"{R}?socket_keepalive=true&health_check_interval=5"},
+        {"BACKEND": REDIS, "LOCATION": "unix:///tmp/redis.sock?db=2"},
+        {"BACKEND": REDIS, "LOCATION": "rediss://127.0.0.1:6380/0?ssl_cert_reqs=none"},
+        {
+            "BACKEND": REDIS,
+            "LOCATION": "rediss://127.0.0.1:6380/0",
+            "OPTIONS": {"client_kwargs": {"ssl_ca_certs": "/ca.pem", "username": "u"}},
+        },
+        {
+            "BACKEND": REDIS,
+            "LOCATION": R,
+            "OPTIONS": {"cluster": True, "client_kwargs": {"max_connections": 5}},
+        },
+        {"BACKEND": ETCD, "LOCATION": ["127.0.0.1:2379", "http://[::1]:2380/"]},
+    ],
+)
+def test_good_settings_still_pass(params: dict[str, Any]) -> None:
+    with override_settings(DLOCK_BACKENDS={"default": LOCMEM, "ok": params}):
+        assert [e for e in check_backends() if e.is_serious()] == []
+        locks["ok"]
 
 
 # --- item 6: no secret in any message ---------------------------------------------------
@@ -105,6 +216,21 @@ def redis_places(port: int) -> dict[str, dict[str, Any]]:
         # Refused by the checks; the refusal must not show it either.
         "mistyped scheme": {"BACKEND": REDIS, "LOCATION": f"redsi://:{SECRET}@{at}/0"},
         "no scheme": {"BACKEND": REDIS, "LOCATION": f":{SECRET}@{at}/0"},
+        "unescaped slash": {"BACKEND": REDIS, "LOCATION": f"redis://:a/{SECRET}@{at}/0"},
+        "bad port": {"BACKEND": REDIS, "LOCATION": f"redis://:{SECRET}@127.0.0.1:99999/0"},
+        "bad query": {
+            "BACKEND": REDIS,
+            "LOCATION": f"redis://:{SECRET}@{at}/0?db=x&password={SECRET}",
+        },
+        "redlock bad master": {
+            "BACKEND": REDLOCK,
+            "LOCATION": [f"redis://:{SECRET}@{at}/0", f"redis://:{SECRET}@127.0.0.1:0/0"],
+        },
+        "ssl_password on redis://": {
+            "BACKEND": REDIS,
+            "LOCATION": f"redis://{at}/0",
+            "OPTIONS": {"client_kwargs": {"ssl_password": SECRET}},
+        },
     }
 
 

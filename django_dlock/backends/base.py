@@ -106,6 +106,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
+import math
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from operator import attrgetter
@@ -279,8 +280,9 @@ class BaseLockBackend(RenamedCapabilities):
 
     def _number_option(self, key: str, default: float) -> float:
         value = self.options.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise self.config_error(f"OPTIONS[{key!r}] must be a positive number.")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and 0 < value < math.inf):  # not nan; inf fails at first use
+            raise self.config_error(f"OPTIONS[{key!r}] must be a positive, finite number.")
         return float(value)
 
     # --- primitives -----------------------------------------------------------------

@@ -19,7 +19,8 @@ Redlock, with a DeprecationWarning and check W003. ``OPTIONS``:
   with ``cluster``).
 - ``socket_timeout``, ``socket_connect_timeout``: seconds (default 5 and 2).
 - ``client_kwargs``: more keyword arguments for the redis-py client (TLS
-  files, ``username``, ``password``, ...).
+  files, ``username``, ``password``, ...): those its connection class takes
+  (``options.py``), not the two timeouts above.
 
 Key layout, for ``KEY_PREFIX`` P, shard s (``crc32(name) % shards``) and lock
 name N. Every key of a shard carries the hash tag ``{Pdlock:s}``, so a lock's

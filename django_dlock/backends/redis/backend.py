@@ -39,6 +39,7 @@ from .connections import (
 )
 from .listing import get_lease, iter_node
 from .native_async import RedisNativeAsync
+from .options import check_client_kwargs, check_url
 from .renewals import RedisRenewals
 from .scripts import WAITER_LEASE_MS, Keys, lock_key
 from .semaphores import RedisSemaphores
@@ -181,12 +182,15 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
         self.connection_spec = options.get("connection")
         self.socket_timeout = self._number_option("socket_timeout", 5.0)
         self.socket_connect_timeout = self._number_option("socket_connect_timeout", 2.0)
-        self.client_kwargs = options.get("client_kwargs") or {}
-        if not isinstance(self.client_kwargs, Mapping):
-            raise LockConfigurationError(
-                f"Lock backend {alias!r}: OPTIONS['client_kwargs'] must be a dict.", alias=alias
-            )
+        self.native_async = not (self.cluster or self.connection_spec or self.redlock)
         self.locations = self._locations()
+        self.client_kwargs = check_client_kwargs(
+            alias,
+            options.get("client_kwargs") or {},
+            {url.partition("://")[0] for url in self.locations if "://" in url},
+            cluster=self.cluster,
+            native_async=self.native_async,
+        )
         shards = options.get("shards", 16 if self.cluster else 1)
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
             raise LockConfigurationError(
@@ -200,7 +204,6 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
         self._requests = itertools.count()
         self._nodes: list[Node] | None = None
         self._mutex = threading.Lock()
-        self.native_async = not (self.cluster or self.connection_spec)
         self._anode = AsyncNode(self.locations[0], lambda: self._client_kwargs(AsyncRetry))
         self._tags = [f"{{{self.key_prefix}dlock:{s}}}" for s in range(shards)]
         _backends.add(self)
@@ -227,14 +230,7 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
         else:
             raise self.config_error("LOCATION must be a redis:// URL or a list of them (Redlock).")
         for url in locations:
-            if not isinstance(url, str) or url.split("://", 1)[0] not in (
-                "redis",
-                "rediss",
-                "unix",
-            ):
-                raise self.config_error(
-                    f"{redacted(url)} is not a redis://, rediss:// or unix:// URL."
-                )
+            check_url(self.alias, url, cluster=self.cluster, native_async=self.native_async)
         if len(locations) > 1 and not self.redlock:
             raise self.config_error(
                 "a list of several LOCATIONs is Redlock over independent masters; use "

@@ -1,0 +1,204 @@
+"""What the Redis backends check in their settings before anything connects.
+
+Everything redis-py would refuse at the first command (a port out of range,
+a ``db`` that is not a number, a timeout of ``inf``, a keyword argument no
+connection class takes) is refused here, by the backend's constructor, as a
+``LockConfigurationError``: ``manage.py check`` reports it with an id, and
+``locks[alias]`` raises it instead of a ``ValueError`` from the first call.
+
+The keyword arguments a client accepts are read from the signatures of the
+redis-py installed, not from a list kept here.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+import redis.asyncio.connection as async_connection
+import redis.cluster
+from redis import connection as sync_connection
+
+from ...exceptions import LockConfigurationError
+from ..redaction import redacted
+
+SCHEMES = ("redis", "rediss", "unix")
+#: Set from OPTIONS (which the backend's own waits are derived from), so not
+#: accepted from client_kwargs.
+OWN_ARGUMENTS = frozenset({"socket_timeout", "socket_connect_timeout"})
+
+
+def _parameters(*classes: type) -> set[str]:
+    """The named keyword parameters of ``__init__`` along each class's MRO."""
+    names: set[str] = set()
+    for cls in classes:
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None:
+                continue
+            for parameter in inspect.signature(init).parameters.values():
+                if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
+                    names.add(parameter.name)
+    names.discard("self")
+    return names
+
+
+@functools.cache
+def accepted_arguments(scheme: str, *, cluster: bool, native_async: bool) -> frozenset[str]:
+    """The client keyword arguments the installed redis-py takes for a URL of ``scheme``.
+
+    ``Redis.from_url`` hands its keywords to the pool, which hands them to
+    the connection class on the first connect (an unknown one is a
+    ``TypeError`` then); a Cluster keeps those it knows and drops the rest
+    without a word, so only those are accepted. With ``native_async`` the
+    same keywords also make the redis.asyncio pool and its connections.
+    """
+    if cluster:
+        known = set(getattr(redis.cluster, "REDIS_ALLOWED_KEYS", ()))
+        known -= set(getattr(redis.cluster, "KWARGS_DISABLED_KEYS", ()))
+        known |= _parameters(redis.cluster.RedisCluster) - {"url", "host", "port"}
+        return frozenset(known)
+    names = {"unix": "UnixDomainSocketConnection", "rediss": "SSLConnection"}
+    name = names.get(scheme, "Connection")
+    known = _parameters(getattr(sync_connection, name)) | {
+        "max_connections",
+        "connection_class",
+        "single_connection_client",
+    }
+    if native_async:
+        known &= _parameters(getattr(async_connection, name)) | {
+            "max_connections",
+            "connection_class",
+            "single_connection_client",
+        }
+    return frozenset(known)
+
+
+def _fail(alias: str, message: str) -> LockConfigurationError:
+    return LockConfigurationError(f"Lock backend {alias!r}: {message}", alias=alias)
+
+
+#: What ``parse_url`` reads from the URL itself rather than from its query.
+_FROM_URL = frozenset({"host", "port", "path", "db", "username", "password", "connection_class"})
+
+
+def check_url(alias: str, url: Any, *, cluster: bool, native_async: bool) -> dict[str, Any]:
+    """The client arguments that redis-py reads from ``url``; raises for a URL it cannot use."""
+    shown = redacted(url)
+    if not isinstance(url, str) or url.split("://", 1)[0] not in SCHEMES or "://" not in url:
+        raise _fail(alias, f"{shown} is not a redis://, rediss:// or unix:// URL.")
+    parts = urlsplit(url)
+    if "@" in url.partition("://")[2] and "@" not in parts.netloc:
+        raise _fail(
+            alias,
+            f"{shown}: a '/', '?' or '#' in the user name or password must be "
+            "percent-encoded (urllib.parse.quote(password, safe='')), or give the password "
+            "in OPTIONS['client_kwargs']['password'].",
+        )
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if parts.scheme != "unix":
+        if not parts.hostname:
+            raise _fail(alias, f"{shown} has no host.")
+        if port == 0 or (port is None and parts.netloc.endswith(":")):
+            raise _fail(alias, f"{shown}: the port must be a number from 1 to 65535.")
+    elif not parts.path:
+        raise _fail(alias, f"{shown}: a unix:// URL needs the socket's path.")
+    try:
+        options: dict[str, Any] = sync_connection.parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError as e:
+        # Its messages name the query parameter; never the password.
+        raise _fail(alias, f"{shown}: {e}") from None
+    if parts.scheme != "unix":
+        path = parts.path.strip("/")
+        if path and "db" not in options:
+            raise _fail(alias, f"{shown}: the path must be the database number, such as /0.")
+    if cluster and options.get("db"):
+        raise _fail(alias, f"{shown}: a Redis Cluster has only database 0.")
+    where = f"{shown} (its query)"
+    query = {k: v for k, v in options.items() if k not in _FROM_URL}
+    check_keys(alias, query, parts.scheme, where=where, cluster=cluster, native_async=native_async)
+    check_arguments(alias, options, where=where)
+    return options
+
+
+def check_arguments(alias: str, kwargs: Mapping[str, Any], *, where: str) -> None:
+    """Refuse client arguments whose values redis-py would fail on at connect time."""
+    for key in ("socket_timeout", "socket_connect_timeout", "timeout"):
+        value = kwargs.get(key)
+        if value is not None and not _positive(value):
+            raise _fail(alias, f"{key} in {where} must be a positive, finite number of seconds.")
+    for key, low in (("db", 0), ("max_connections", 1), ("health_check_interval", 0)):
+        value = kwargs.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < low
+        ):
+            raise _fail(alias, f"{key} in {where} must be an int of at least {low}.")
+    for key in ("username", "password", "ssl_password", "ssl_certfile", "ssl_keyfile"):
+        value = kwargs.get(key)
+        if value is not None and not isinstance(value, str):
+            raise _fail(alias, f"{key} in {where} must be a str.")
+
+
+def check_client_kwargs(
+    alias: str, client_kwargs: Any, schemes: set[str], *, cluster: bool, native_async: bool
+) -> dict[str, Any]:
+    """``OPTIONS['client_kwargs']``, refused if a client for one of ``schemes`` would be."""
+    if not isinstance(client_kwargs, Mapping):
+        raise _fail(alias, "OPTIONS['client_kwargs'] must be a dict.")
+    own = sorted(OWN_ARGUMENTS & set(client_kwargs))
+    if own:
+        raise _fail(
+            alias,
+            f"OPTIONS['client_kwargs'] must not set {own}; set OPTIONS[{own[0]!r}] instead "
+            "(the backend's waits are derived from it).",
+        )
+    for scheme in sorted(schemes):
+        check_keys(
+            alias,
+            client_kwargs,
+            scheme,
+            where="OPTIONS['client_kwargs']",
+            cluster=cluster,
+            native_async=native_async,
+        )
+    check_arguments(alias, client_kwargs, where="OPTIONS['client_kwargs']")
+    return dict(client_kwargs)
+
+
+def check_keys(
+    alias: str,
+    kwargs: Mapping[str, Any],
+    scheme: str,
+    *,
+    where: str,
+    cluster: bool,
+    native_async: bool,
+) -> None:
+    """Refuse keys of ``kwargs`` that a client for a ``scheme`` URL does not take."""
+    accepted = accepted_arguments(scheme, cluster=cluster, native_async=native_async)
+    unknown = sorted(key for key in kwargs if key not in accepted)
+    if unknown:
+        client = "a Redis Cluster client" if cluster else f"a {scheme}:// client"
+        tls = scheme == "redis" and any(key.startswith("ssl") for key in unknown)
+        raise _fail(
+            alias,
+            f"{where} has keys {unknown} that {client} of redis-py {redis.__version__} "
+            f"does not take{' (for TLS, use a rediss:// URL)' if tls else ''}.",
+        )
+
+
+def _positive(value: Any) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value > 0
+    )
