@@ -87,6 +87,20 @@ BAD = {
         "LOCATION": R,
         "OPTIONS": {"client_kwargs": {"max_connections": "10"}},
     },
+    "redis client_kwargs retry": {
+        "BACKEND": REDIS,
+        "LOCATION": R,
+        "OPTIONS": {"client_kwargs": {"retry": 5}},
+    },
+    "redis client_kwargs connection_class": {
+        "BACKEND": REDIS,
+        "LOCATION": R,
+        "OPTIONS": {"client_kwargs": {"connection_class": "redis.connection.Connection"}},
+    },
+    "redis ssl_cert_reqs": {
+        "BACKEND": REDIS,
+        "LOCATION": "rediss://127.0.0.1:6380/0?ssl_cert_reqs=bogus",
+    },
     "redlock one master's port": {
         "BACKEND": REDLOCK,
         "LOCATION": [R, "redis://127.0.0.1:70000/0", R],
@@ -130,6 +144,20 @@ def test_socket_timeout_inf_does_not_crash_manage_py_check() -> None:
         assert "django_dlock.E006" in str(excinfo.value)
 
 
+@pytest.mark.parametrize("backend", [REDIS, REDLOCK])
+@pytest.mark.parametrize("key", ["ssl_ca_certs", "ssl_certfile", "ssl_keyfile"])
+def test_a_missing_tls_file_is_a_check_error(backend: str, key: str) -> None:
+    urls = ["rediss://127.0.0.1:6380/0"] * (3 if backend == REDLOCK else 1)
+    kwargs = {"ssl_certfile": __file__, "ssl_keyfile": __file__, key: "/nowhere/tls.pem"}
+    params = {"BACKEND": backend, "LOCATION": urls, "OPTIONS": {"client_kwargs": kwargs}}
+    if backend == REDIS:
+        params["LOCATION"] = urls[0]
+    with override_settings(DLOCK_BACKENDS={"default": LOCMEM, "tls": params}):
+        errors = [e for e in check_backends() if e.is_serious()]
+    assert [e.id for e in errors] == ["django_dlock.E006"], errors
+    assert key in errors[0].msg and "'tls'" in errors[0].msg
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -139,7 +167,7 @@ def test_socket_timeout_inf_does_not_crash_manage_py_check() -> None:
         {
             "BACKEND": REDIS,
             "LOCATION": "rediss://127.0.0.1:6380/0",
-            "OPTIONS": {"client_kwargs": {"ssl_ca_certs": "/ca.pem", "username": "u"}},
+            "OPTIONS": {"client_kwargs": {"ssl_ca_certs": __file__, "username": "u"}},
         },
         {
             "BACKEND": REDIS,

@@ -18,6 +18,8 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
+from django.core import checks
+
 from redis import Redis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
@@ -39,7 +41,7 @@ from .connections import (
 )
 from .listing import get_lease, iter_node
 from .native_async import RedisNativeAsync
-from .options import check_client_kwargs, check_url
+from .options import check_client_kwargs, check_url, tls_file_errors
 from .renewals import RedisRenewals
 from .scripts import WAITER_LEASE_MS, Keys, lock_key
 from .semaphores import RedisSemaphores
@@ -237,6 +239,10 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
                 "django_dlock.backends.redis.RedlockBackend."
             )
         return locations
+
+    def check(self) -> list[checks.CheckMessage]:
+        errors = tls_file_errors(self.alias, self.client_kwargs)
+        return [checks.Error(error, id="django_dlock.E006") for error in errors]
 
     # --- connections ------------------------------------------------------------------
 

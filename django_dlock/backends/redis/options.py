@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,9 +29,17 @@ from ...exceptions import LockConfigurationError
 from ..redaction import redacted
 
 SCHEMES = ("redis", "rediss", "unix")
-#: Set from OPTIONS (which the backend's own waits are derived from), so not
-#: accepted from client_kwargs.
-OWN_ARGUMENTS = frozenset({"socket_timeout", "socket_connect_timeout"})
+#: Client arguments the backend sets itself, so not accepted from
+#: client_kwargs, and why.
+OWN_ARGUMENTS = {
+    "socket_timeout": "set OPTIONS['socket_timeout']: the backend's waits are derived from it",
+    "socket_connect_timeout": "set OPTIONS['socket_connect_timeout']",
+    "retry": "the backend resends a failed command once (a Redlock master: never)",
+}
+#: What redis-py reads in ``ssl_cert_reqs`` besides an ``ssl.VerifyMode``.
+CERT_REQS = ("none", "optional", "required")
+#: TLS files ``check()`` looks for.
+TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 
 def _parameters(*classes: type) -> set[str]:
@@ -141,7 +150,16 @@ def check_arguments(alias: str, kwargs: Mapping[str, Any], *, where: str) -> Non
             isinstance(value, bool) or not isinstance(value, int) or value < low
         ):
             raise _fail(alias, f"{key} in {where} must be an int of at least {low}.")
-    for key in ("username", "password", "ssl_password", "ssl_certfile", "ssl_keyfile"):
+    reqs = kwargs.get("ssl_cert_reqs")
+    if isinstance(reqs, str) and reqs.lower() not in CERT_REQS:
+        raise _fail(alias, f"ssl_cert_reqs in {where} must be one of {list(CERT_REQS)}.")
+    connection_class = kwargs.get("connection_class")
+    if connection_class is not None and not (
+        isinstance(connection_class, type)
+        and issubclass(connection_class, sync_connection.AbstractConnection)
+    ):
+        raise _fail(alias, f"connection_class in {where} must be a redis-py Connection class.")
+    for key in ("username", "password", "ssl_password", *TLS_FILES):
         value = kwargs.get(key)
         if value is not None and not isinstance(value, str):
             raise _fail(alias, f"{key} in {where} must be a str.")
@@ -153,13 +171,8 @@ def check_client_kwargs(
     """``OPTIONS['client_kwargs']``, refused if a client for one of ``schemes`` would be."""
     if not isinstance(client_kwargs, Mapping):
         raise _fail(alias, "OPTIONS['client_kwargs'] must be a dict.")
-    own = sorted(OWN_ARGUMENTS & set(client_kwargs))
-    if own:
-        raise _fail(
-            alias,
-            f"OPTIONS['client_kwargs'] must not set {own}; set OPTIONS[{own[0]!r}] instead "
-            "(the backend's waits are derived from it).",
-        )
+    for key in sorted(OWN_ARGUMENTS.keys() & set(client_kwargs)):
+        raise _fail(alias, f"OPTIONS['client_kwargs'] must not set {key!r}; {OWN_ARGUMENTS[key]}.")
     for scheme in sorted(schemes):
         check_keys(
             alias,
@@ -193,6 +206,16 @@ def check_keys(
             f"{where} has keys {unknown} that {client} of redis-py {redis.__version__} "
             f"does not take{' (for TLS, use a rediss:// URL)' if tls else ''}.",
         )
+
+
+def tls_file_errors(alias: str, kwargs: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the TLS files named in ``kwargs`` (static: no connection)."""
+    return [
+        f"Lock backend {alias!r}: OPTIONS['client_kwargs'][{key!r}] {kwargs[key]!r} is not "
+        "a readable file."
+        for key in TLS_FILES
+        if isinstance(kwargs.get(key), str) and not os.path.isfile(kwargs[key])
+    ]
 
 
 def _positive(value: Any) -> bool:

@@ -180,7 +180,7 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
         return ttl * 0.01 + 0.002
 
     def check(self) -> list[checks.CheckMessage]:
-        messages: list[checks.CheckMessage] = []
+        messages = super().check()
         if len(self.locations) % 2 == 0:
             messages.append(
                 checks.Warning(
