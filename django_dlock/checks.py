@@ -42,18 +42,30 @@ def check_backends(
     app_configs: Iterable[AppConfig] | None = None, **kwargs: Any
 ) -> Iterator[checks.CheckMessage]:
     """Build each configured backend (no network) and yield what is wrong with it."""
+    for _, message in backend_messages():
+        yield message
+
+
+def backend_messages() -> Iterator[tuple[str | None, checks.CheckMessage]]:
+    """:func:`check_backends`'s messages, each with the alias it is about.
+
+    None for ``DLOCK_BACKENDS`` as a whole (then no alias is looked at):
+    ``manage.py locks`` refuses to start on those, and goes on with the
+    backends that have none of their own.
+    """
     try:
         setting = validate_backends_setting(conf.backends_setting())
     except LockConfigurationError as e:
-        yield checks.Error(str(e), id=e.check_id)
+        yield None, checks.Error(str(e), id=e.check_id)
         return
     for alias, params in setting.items():
         try:
             backend = backend_class(alias, params)(alias, params)
         except LockConfigurationError as e:
-            yield checks.Error(str(e), obj=f"DLOCK_BACKENDS[{alias!r}]", id=e.check_id)
+            yield alias, checks.Error(str(e), obj=f"DLOCK_BACKENDS[{alias!r}]", id=e.check_id)
             continue
-        yield from backend.check()
+        for message in backend.check():
+            yield alias, message
 
 
 @checks.register(checks.Tags.admin)

@@ -420,3 +420,25 @@ def shell_quote(text: str) -> str:
         else:
             escaped.append(f"\\U{ord(ch):08x}")
     return "$'" + "".join(escaped) + "'"
+
+
+def show_fields(info: LockInfo, now: datetime) -> list[tuple[str, str]]:
+    """What ``locks show`` prints of a lease: backend and name, then token, times, holder."""
+    fields = [
+        ("backend", info.backend),
+        ("name", info.name),
+        ("token", str(info.token)),
+        ("acquired at", info.acquired_at.isoformat()),
+        ("held for", duration(held_for(info, now))),
+        ("expires at", _show_expires_at(info)),
+        ("expires in", duration(info.expires_in)),
+    ]
+    return fields + [(f"holder.{key}", _show_text(value)) for key, value in info.holder.items()]
+
+
+def _show_expires_at(info: Any) -> str:
+    return info.expires_at.isoformat() if info.expires_in != float("inf") else "never"
+
+
+def _show_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)

@@ -375,3 +375,29 @@ def test_without_the_app_the_first_lock_says_to_install_it(
     assert excinfo.value.check_id == "django_dlock.E007"
     assert "app_label" not in str(excinfo.value)
     assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+BAD = {"BACKEND": REDIS, "LOCATION": "redis://:s3cr3t-pw@127.0.0.1:99999/0"}
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM, "bad": BAD})
+def test_a_misconfigured_backend_is_named_and_the_others_still_served(name: str) -> None:
+    held = lock(name).acquire()
+    try:
+        error, out, err = failing()
+        assert error.returncode == 2
+        assert name in out  # the good backend is listed
+        assert "bad: misconfigured: django_dlock.E006" in err
+        error, out, err = failing("show", name)
+        assert error.returncode == 2 and name in out
+        error, out, err = failing("check")
+        assert error.returncode == 2
+        assert re.search(r"default .* ok", out) and re.search(r"bad .* FAILED", out)
+        error, out, err = failing("--backend", "bad")
+        assert error.returncode == 2
+        error, out, err = failing("break", name, "--yes")
+        assert error.returncode == 2 and f"Broke '{name}'" in out
+    finally:
+        held.release_quietly()
+    for text in (str(error), out, err):
+        assert "s3cr3t-pw" not in text

@@ -40,15 +40,3 @@ def redacted(location: Any) -> str:
         rest = f"{user}:***@{host}" if colon and "/" not in user else f"***@{host}"
     rest = _SECRET_PARAMS.sub(r"\1***", rest)
     return f"{scheme}{sep}{rest}"
-
-
-def scrub(text: str, secrets: Any) -> str:
-    """``text`` with each of ``secrets`` (str values; others are skipped) replaced by ``***``.
-
-    For text that settings did not build (a client library's error): the
-    secrets the backend was configured with are taken out of it.
-    """
-    for secret in secrets:
-        if isinstance(secret, str) and secret:
-            text = text.replace(secret, "***")
-    return text

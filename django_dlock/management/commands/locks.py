@@ -29,8 +29,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ... import conf, holders
 from ..._validation import printable
-from ...backends.types import LockInfo
-from ...checks import check_backends
+from ...checks import backend_messages
 from ...exceptions import LockConfigurationError
 from ...handler import locks
 from ...pings import ping_within
@@ -175,15 +174,9 @@ class Command(BaseCommand):
             raise SystemExit(BROKEN_PIPE) from None
 
     def run(self, **options: Any) -> None:
-        problems = [message for message in check_backends() if message.is_serious()]
-        if problems:
-            raise CommandError(
-                "DLOCK_BACKENDS is misconfigured:\n"
-                + "\n".join(f"  {message.id}: {message.msg}" for message in problems),
-                returncode=USAGE,
-            )
         subcommand = options.get("subcommand") or "list"
         backend = options.get("backend")
+        self.misconfigured = self.find_misconfigured(backend)
         if subcommand == "list":
             prefix = options.get("prefix") or ""
             if options.get("watch") is not None:
@@ -266,7 +259,7 @@ class Command(BaseCommand):
             items += [holders.slot_as_json(slot, now) for slot in listing.slots]
             return "[" + ",".join(items) + "]"
         lines = [
-            self.style.ERROR(printable(f"{alias}: {holders.failure_text(error)}"))
+            self.style.ERROR(printable(f"{alias}: {self.failure(alias, error)}"))
             for alias, error in (listing.errors.items() if with_errors else ())
         ]
         if not listing.holders and not listing.slots:
@@ -293,12 +286,51 @@ class Command(BaseCommand):
             lines += [self.style.MIGRATE_HEADING(header), *rows]
         return "\n".join(lines)
 
+    def find_misconfigured(self, backend: str | None) -> dict[str, str]:
+        """The backends asked for whose settings fail django-dlock's checks, with why.
+
+        Each is named on stderr now, and the others are still listed,
+        checked or broken; the command then ends with exit code 2. Settings
+        wrong as a whole (no "default", not a dict) stop it here.
+        """
+        problems: dict[str | None, list[str]] = {}
+        for alias, message in backend_messages():
+            if message.is_serious():
+                problems.setdefault(alias, []).append(f"{message.id}: {message.msg}")
+        if None in problems:
+            raise CommandError(
+                "DLOCK_BACKENDS is misconfigured:\n"
+                + "\n".join(f"  {text}" for text in problems[None]),
+                returncode=USAGE,
+            )
+        found = {
+            alias: "misconfigured: " + " ".join(texts)
+            for alias, texts in problems.items()
+            if alias is not None and alias in holders.aliases(backend)
+        }
+        for alias, text in found.items():
+            self.stderr.write(printable(f"{alias}: {text}"))
+        return found
+
     def write_errors(self, errors: dict[str, Exception]) -> None:
-        """Each backend's error on stderr, escaped: a message may quote a lock's name."""
+        """Each backend's error on stderr, escaped: a message may quote a lock's name.
+
+        A misconfigured backend was named once already, with its check ids.
+        """
         for alias, error in errors.items():
-            self.stderr.write(printable(f"{alias}: {holders.failure_text(error)}"))
+            if alias not in self.misconfigured:
+                self.stderr.write(printable(f"{alias}: {holders.failure_text(error)}"))
+
+    def failure(self, alias: str, error: Exception) -> str:
+        return self.misconfigured.get(alias) or holders.failure_text(error)
 
     def fail_for(self, errors: dict[str, Exception]) -> None:
+        if self.misconfigured:
+            raise CommandError(
+                f"Backend(s) {', '.join(self.misconfigured)} misconfigured: `manage.py check` "
+                "lists what is wrong.",
+                returncode=USAGE,
+            )
         if errors:
             raise CommandError(
                 f"Backend(s) {', '.join(errors)} did not answer.", returncode=UNAVAILABLE
@@ -337,7 +369,7 @@ class Command(BaseCommand):
         if as_json:
             self.stdout.write(self.render(listing, backend, "", as_json=True))
         for info in [] if as_json else listing.holders:
-            self.write_fields(_lease_fields(info, now))
+            self.write_fields(holders.show_fields(info, now))
         for slot in [] if as_json else listing.slots:
             sem = slot.semaphore
             fields = [
@@ -350,7 +382,7 @@ class Command(BaseCommand):
                 ("parked", str(sem.parked)),
             ]
             if slot.lease is not None:
-                fields += _lease_fields(slot.lease, now)[2:]
+                fields += holders.show_fields(slot.lease, now)[2:]
             self.write_fields(fields)
         self.fail_for(listing.errors)
         if not listing.holders and not listing.slots:
@@ -496,6 +528,10 @@ class Command(BaseCommand):
                 "warnings": [],
                 "error": None,
             }
+            if alias in self.misconfigured:
+                result["error"] = self.misconfigured[alias]
+                results.append(result)
+                continue
             try:
                 backend_obj = locks[alias]
                 result["class"] = backend_obj.path
@@ -549,6 +585,7 @@ class Command(BaseCommand):
                     self.stdout.write(
                         self.style.ERROR(printable(f"  {r['backend']}: {r['error']}"))
                     )
+        self.fail_for({})
         failed = [r["backend"] for r in results if not r["ok"]]
         if failed:
             raise CommandError(
@@ -593,28 +630,6 @@ def _collector_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
-
-
-def _lease_fields(info: LockInfo, now: datetime) -> list[tuple[str, str]]:
-    """What ``show`` prints of a lease: backend and name first, then token, times, holder."""
-    fields = [
-        ("backend", info.backend),
-        ("name", info.name),
-        ("token", str(info.token)),
-        ("acquired at", info.acquired_at.isoformat()),
-        ("held for", holders.duration(holders.held_for(info, now))),
-        ("expires at", _expires_at(info)),
-        ("expires in", holders.duration(info.expires_in)),
-    ]
-    return fields + [(f"holder.{key}", _text(value)) for key, value in info.holder.items()]
-
-
-def _expires_at(info: Any) -> str:
-    return info.expires_at.isoformat() if info.expires_in != float("inf") else "never"
-
-
-def _text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _on(backend: str | None) -> str:
