@@ -10,6 +10,7 @@ Ids are stable and never reused (docs/checks.md lists them):
 - ``django_dlock.E006``: another value the backend cannot work with.
 - ``django_dlock.E007``: the database backend is used but ``django_dlock`` is not installed.
 - ``django_dlock.E008``: the database backend's database is missing or unsupported.
+- ``django_dlock.E009``: ``DLOCK_METRICS_TOKEN`` is set but not a non-empty str.
 - ``django_dlock.W001``: Redlock over an even number of masters.
 - ``django_dlock.W002``: a locked Celery task's lock TTL is shorter than the
   broker's ``visibility_timeout`` (registered by ``celery.py``).
@@ -66,6 +67,27 @@ def backend_messages() -> Iterator[tuple[str | None, checks.CheckMessage]]:
             continue
         for message in backend.check():
             yield alias, message
+
+
+@checks.register(checks.Tags.security)
+def check_metrics_token(
+    app_configs: Iterable[AppConfig] | None = None, **kwargs: Any
+) -> Iterator[checks.CheckMessage]:
+    """django_dlock.E009: a ``DLOCK_METRICS_TOKEN`` that no scraper could present.
+
+    An empty one would leave the metrics to logged-in users only, without
+    saying so; a number or bytes is compared as its ``str()``, which is not
+    what a ``prometheus.yml`` holds.
+    """
+    token = getattr(settings, "DLOCK_METRICS_TOKEN", None)
+    if token is not None and (not isinstance(token, str) or not token.strip()):
+        yield checks.Error(
+            f"DLOCK_METRICS_TOKEN must be a non-empty str (the bearer token of "
+            f"django_dlock.contrib.prometheus.metrics_view), not a {type(token).__name__}"
+            f"{' that is blank' if isinstance(token, str) else ''}.",
+            hint="Unset it to serve the metrics to logged-in users with view_lock only.",
+            id="django_dlock.E009",
+        )
 
 
 @checks.register(checks.Tags.admin)

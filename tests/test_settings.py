@@ -190,3 +190,21 @@ def test_a_backend_reports_the_dotted_path_it_was_configured_with() -> None:
         configured = settings.DLOCK_BACKENDS[alias]["BACKEND"]
         assert locks[alias].path == configured
         assert configured.count(".") == 3, configured  # django_dlock.backends.<name>.<Class>
+
+
+@pytest.mark.parametrize("token", ["", "   ", 12345, b"bytes-token"])
+def test_a_metrics_token_no_scraper_could_present_is_an_error(token: Any) -> None:
+    from django_dlock.checks import check_metrics_token
+
+    with override_settings(DLOCK_METRICS_TOKEN=token):
+        errors = list(check_metrics_token())
+    assert [e.id for e in errors] == ["django_dlock.E009"]
+    assert "12345" not in errors[0].msg and "bytes-token" not in errors[0].msg  # never shown
+
+
+def test_a_metrics_token_that_is_a_str_or_unset_passes() -> None:
+    from django_dlock.checks import check_metrics_token
+
+    with override_settings(DLOCK_METRICS_TOKEN="a-long-random-token"):
+        assert list(check_metrics_token()) == []
+    assert list(check_metrics_token()) == []
