@@ -280,8 +280,7 @@ class BaseLockBackend(RenamedCapabilities):
 
     def _number_option(self, key: str, default: float) -> float:
         value = self.options.get(key, default)
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (number and 0 < value < math.inf):  # not nan; inf fails at first use
+        if not (type(value) in (int, float) and 0 < value < math.inf):  # inf, nan fail later
             raise self.config_error(f"OPTIONS[{key!r}] must be a positive, finite number.")
         return float(value)
 
@@ -582,10 +581,10 @@ class BaseLockBackend(RenamedCapabilities):
         """:meth:`list`, one lease at a time, in the same order.
 
         On a backend that reads its index a page at a time (Redis), memory
-        stays that of a page whatever the count. A lease that ends or starts
-        while the pages are read may or may not be listed; no lease is listed
-        twice. A backend that stops answering midway raises
-        ``BackendUnavailable`` from the iteration, after the leases already given.
+        stays that of a page. A lease that ends or starts while the pages are
+        read may or may not be listed; no lease is listed twice. A backend that
+        stops answering midway raises ``BackendUnavailable`` from the
+        iteration, after the leases already given.
         """
         prefix = validate_name(prefix, what="A lock name prefix")
         return without_internal(self.do_iter_list(prefix), prefix)
@@ -641,10 +640,7 @@ class BaseLockBackend(RenamedCapabilities):
         return broken
 
     def ping(self) -> ServerStatus:
-        """The service's version and that trip's time; then a probe lease (``probe.py``).
-
-        ``BackendUnavailable`` when it does not answer, or no lease can be taken on it.
-        """
+        """Version and round trip, then a probe lease (probe.py); or ``BackendUnavailable``."""
         started = time.monotonic()
         version, warnings = self.do_ping()
         latency = time.monotonic() - started
