@@ -225,6 +225,11 @@ def redis_places(port: int) -> dict[str, dict[str, Any]]:
             "LOCATION": f"redis://{at}/0?password={SECRET}",
             **fast,
         },
+        "url query password, its key percent-encoded": {
+            "BACKEND": REDIS,
+            "LOCATION": f"redis://{at}/0?username=me&passw%6Frd={SECRET}",
+            **fast,
+        },
         "client_kwargs password": {"BACKEND": REDIS, "LOCATION": f"redis://{at}/0", **kwargs},
         "redlock masters": {
             "BACKEND": REDLOCK,

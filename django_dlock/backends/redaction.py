@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import unquote_plus
 
-#: Query parameters whose values are secrets (redis-py reads ``?password=``).
-_SECRET_PARAMS = re.compile(r"(?i)([?&;](?:password|passwd|pass|pwd|secret|token)=)[^&;#]*")
+#: Query parameters whose values are secrets (redis-py reads ``?password=``),
+#: matched on the decoded key: redis-py reads ``passw%6Frd=`` as ``password=``.
+_SECRET_KEY = re.compile(r"(?i)pass|pwd|secret|token|auth|cred")
 
 
 def redacted(location: Any) -> str:
@@ -38,5 +40,17 @@ def redacted(location: Any) -> str:
         user, colon, _ = userinfo.partition(":")
         # The query, when the last "@" is in it, is part of what is hidden.
         rest = f"{user}:***@{host}" if colon and "/" not in user else f"***@{host}"
-    rest = _SECRET_PARAMS.sub(r"\1***", rest)
-    return f"{scheme}{sep}{rest}"
+    return f"{scheme}{sep}{_query_redacted(rest)}"
+
+
+def _query_redacted(text: str) -> str:
+    """``text`` with the value of each secret-looking query parameter as ``***``."""
+    head, mark, query = text.partition("?")
+    if not mark:
+        return text
+    pieces = re.split(r"([&;#])", query)
+    for i, piece in enumerate(pieces):
+        key, equals, _ = piece.partition("=")
+        if equals and _SECRET_KEY.search(unquote_plus(key)):
+            pieces[i] = f"{key}=***"
+    return f"{head}?{''.join(pieces)}"
