@@ -401,3 +401,13 @@ def test_a_misconfigured_backend_is_named_and_the_others_still_served(name: str)
         held.release_quietly()
     for text in (str(error), out, err):
         assert "s3cr3t-pw" not in text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_locks_check_with_no_dlock_backends_setting(settings: Any) -> None:
+    """The zero-config default: the database backend on the "default" database."""
+    del settings.DLOCK_BACKENDS
+    out, _ = run("check")
+    assert re.search(r"default +django_dlock\.backends\.database\.DatabaseBackend .* ok", out)
+    (row,) = json.loads(run("check", "--json")[0])
+    assert row["ok"] and row["class"].endswith("DatabaseBackend")

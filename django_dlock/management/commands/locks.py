@@ -27,7 +27,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ... import conf, holders
+from ... import holders
 from ..._validation import printable
 from ...checks import backend_messages
 from ...exceptions import LockConfigurationError
@@ -521,7 +521,7 @@ class Command(BaseCommand):
         for alias in holders.aliases(backend):
             result: dict[str, Any] = {
                 "backend": alias,
-                "class": str(conf.backends_setting()[alias].get("BACKEND")),
+                "class": str(locks.settings[alias].get("BACKEND")),
                 "ok": False,
                 "version": None,
                 "latency_ms": None,
