@@ -154,8 +154,9 @@ def test_a_redis_user_denied_the_scripts_fails_the_probe_and_the_health_check(
     with override_settings(DLOCK_BACKENDS=backends, ROOT_URLCONF="tests.health_urls"):
         with pytest.raises(BackendUnavailable):
             lock("x", backend="denied").acquire(timeout=0)  # what the probe must agree with
-        with pytest.raises(BackendUnavailable, match="no lock can be taken"):
+        with pytest.raises(BackendUnavailable, match="no lock can be taken") as excinfo:
             locks["denied"].ping()
+        assert "its ACL needs +@scripting" in str(excinfo.value)  # what to do
         error, out, _ = failing("check")
         assert error.returncode == 3
         assert "default" in out and "FAILED" in out
@@ -167,7 +168,7 @@ def test_a_redis_user_denied_the_scripts_fails_the_probe_and_the_health_check(
         assert "pw@" not in response.content.decode()
 
 
-@pytest.mark.django_db(transaction=True, databases=["postgresql"])
+@pytest.mark.django_db(transaction=True, databases=["default", "postgresql"])
 def test_a_read_only_postgresql_session_fails_the_probe(tmp_path: Path) -> None:
     if "postgresql" not in connections:
         pytest.skip(settings.UNAVAILABLE_BACKENDS.get("db-postgresql", "no PostgreSQL"))
@@ -179,6 +180,7 @@ def test_a_read_only_postgresql_session_fails_the_probe(tmp_path: Path) -> None:
     assert result.returncode == 3, (result.stdout, result.stderr)
     assert "no lock can be taken" in result.stdout
     assert "read-only" in result.stdout
+    assert "point the backend's database at a writable primary" in result.stdout
 
 
 # --- django-dlock's own names -------------------------------------------------------------
@@ -403,11 +405,76 @@ def test_a_misconfigured_backend_is_named_and_the_others_still_served(name: str)
         assert "s3cr3t-pw" not in text
 
 
-@pytest.mark.django_db(transaction=True)
-def test_locks_check_with_no_dlock_backends_setting(settings: Any) -> None:
+def migrated_sqlite(tmp_path: Path, *, timeout: float = 5, dlock: bool = True) -> str:
+    """A settings body: a new SQLite file, migrated, as the database backend's database."""
+    path = tmp_path / f"{uuid.uuid4().hex[:8]}.sqlite3"
+    body = (
+        f"DATABASES = {{'default': {{'ENGINE': 'django.db.backends.sqlite3', "
+        f"'NAME': {str(path)!r}, 'OPTIONS': {{'timeout': {timeout!r}}}}}}}\n"
+        + (f"DLOCK_BACKENDS = {{'default': {DB!r}}}\n" if dlock else "del DLOCK_BACKENDS\n")
+    )
+    module = f"ops_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text("from tests.settings import *  # noqa\n" + body)
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": module,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), str(ROOT / "testproject")]),
+    }
+    migrate = [sys.executable, "-m", "django", "migrate", "django_dlock", "--verbosity", "0"]
+    subprocess.run(migrate, cwd=ROOT, env=env, check=True, timeout=120)
+    return body
+
+
+def test_locks_check_with_no_dlock_backends_setting(tmp_path: Path) -> None:
     """The zero-config default: the database backend on the "default" database."""
-    del settings.DLOCK_BACKENDS
-    out, _ = run("check")
-    assert re.search(r"default +django_dlock\.backends\.database\.DatabaseBackend .* ok", out)
-    (row,) = json.loads(run("check", "--json")[0])
+    body = migrated_sqlite(tmp_path, dlock=False)
+    result = manage(tmp_path, body, "check")
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    assert re.search(
+        r"default +django_dlock\.backends\.database\.DatabaseBackend .* ok", result.stdout
+    )
+    result = manage(tmp_path, body, "check", "--json")
+    (row,) = json.loads(result.stdout)
     assert row["ok"] and row["class"].endswith("DatabaseBackend")
+
+
+def test_a_database_held_busy_fails_the_probe(tmp_path: Path) -> None:
+    """Another connection holds SQLite's write lock past the busy timeout: no lock can be taken."""
+    import sqlite3
+
+    body = migrated_sqlite(tmp_path, timeout=0.5)
+    path = re.search(r"'NAME': '([^']+)'", body).group(1)  # type: ignore[union-attr]
+    assert manage(tmp_path, body, "check").returncode == 0
+    writer = sqlite3.connect(path, isolation_level=None)
+    try:
+        writer.execute("BEGIN IMMEDIATE")
+        result = manage(tmp_path, body, "check")
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    assert result.returncode == 3, (result.stdout, result.stderr)
+    assert "refused the probe's lease, which nobody holds" in result.stdout
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "postgresql"])
+def test_a_lock_table_locked_by_another_session_fails_the_probe() -> None:
+    if "postgresql" not in connections:
+        pytest.skip(settings.UNAVAILABLE_BACKENDS.get("db-postgresql", "no PostgreSQL"))
+    import psycopg
+
+    entry = connections["postgresql"].settings_dict
+    other = psycopg.connect(
+        dbname=entry["NAME"],
+        host=entry["HOST"],
+        port=entry["PORT"],
+        user=entry["USER"],
+        password=entry["PASSWORD"] or None,
+    )
+    try:
+        other.execute("LOCK TABLE django_dlock_lease IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(BackendUnavailable, match="no lock can be taken"):
+            locks["db-postgresql"].ping()
+    finally:
+        other.rollback()
+        other.close()
+    locks["db-postgresql"].ping()

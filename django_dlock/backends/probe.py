@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from .._validation import INTERNAL_PREFIX, holder_metadata, new_owner
 from ..exceptions import BackendUnavailable, LockInTransaction
+from .sql import Busy
 
 if TYPE_CHECKING:
     from .base import BaseLockBackend
@@ -37,31 +38,95 @@ PROBE_TTL = 10.0
 
 def probe(backend: BaseLockBackend) -> None:
     """Take and release the probe's lease; ``BackendUnavailable`` saying which step failed."""
-    from .sql import Busy
-
     owner = new_owner()
     holder = holder_metadata(PROBE_TTL, {"probe": True})[1]
-    try:
-        granted = backend.do_acquire(PROBE_NAME, owner, PROBE_TTL, holder, False)
-    except (Busy, LockInTransaction):
-        # SQLite's write lock was held, or (inside a caller's atomic block)
-        # another probe held the name: the database answered.
-        return
-    except BackendUnavailable as e:
-        raise BackendUnavailable(
-            f"Lock backend {backend.alias!r} answered its ping, but no lock can be taken on "
-            f"it: {e}",
-            backend=backend.alias,
-            transient=e.transient,
-        ) from e
-    if granted is None:
-        return  # another probe holds it this moment: the acquisition ran
+    for _ in range(2):
+        if _granted(backend, owner, holder):
+            break
+        if _held_by_another_probe(backend):
+            return  # the acquisition ran and was answered: that is what is proved
+    else:
+        # Refused twice, with nobody holding the name: a database stays busy
+        # (and refuses) while another connection holds a write lock on it.
+        raise _cannot_lock(
+            backend,
+            "it refused the probe's lease, which nobody holds (a database refuses while "
+            "another connection holds its write lock, or a lock on the lock table, for "
+            "longer than the backend waits)",
+        )
     try:
         backend.do_release(PROBE_NAME, owner)
     except (Busy, BackendUnavailable) as e:
         raise BackendUnavailable(
             f"Lock backend {backend.alias!r} granted the probe's lease but could not release "
-            f"it (it ends within {PROBE_TTL:g} s): {e}",
+            f"it (it ends within {PROBE_TTL:g} s): {e or type(e).__name__}{advice(e)}",
             backend=backend.alias,
             transient=getattr(e, "transient", True),
         ) from e
+
+
+def _granted(backend: BaseLockBackend, owner: str, holder: str) -> bool:
+    try:
+        return backend.do_acquire(PROBE_NAME, owner, PROBE_TTL, holder, False) is not None
+    except (Busy, LockInTransaction):
+        return False  # the database was busy, or (in an atomic block) the name held
+    except BackendUnavailable as e:
+        raise _cannot_lock(backend, f"{e}{advice(e)}", e.transient) from e
+
+
+def _held_by_another_probe(backend: BaseLockBackend) -> bool:
+    try:
+        return backend.do_get(PROBE_NAME) is not None
+    except (Busy, BackendUnavailable) as e:
+        raise _cannot_lock(
+            backend, f"the probe's lease could not be looked up: {e or 'busy'}{advice(e)}"
+        ) from e
+
+
+def _cannot_lock(backend: BaseLockBackend, why: str, transient: bool = True) -> BackendUnavailable:
+    return BackendUnavailable(
+        f"Lock backend {backend.alias!r} answered its ping, but no lock can be taken on it: {why}",
+        backend=backend.alias,
+        transient=transient,
+    )
+
+
+#: What to do, by what the server said (matched without case).
+_ADVICE = (
+    (
+        ("noperm", "no permissions to run", "no permissions to access"),
+        "The Redis user may not run the lock scripts: its ACL needs +@scripting "
+        "(EVALSHA, EVAL, SCRIPT) and the keys under the backend's KEY_PREFIX.",
+    ),
+    (
+        ("readonly you can't write", "read only replica"),
+        "LOCATION is a read-only Redis replica: point it at the primary.",
+    ),
+    (
+        ("read-only transaction", "read only transaction", "--read-only", "read-only mode"),
+        "The database is read-only for this connection (a replica, or "
+        "default_transaction_read_only): point the backend's database at a writable primary.",
+    ),
+    (
+        ("attempt to write a readonly database",),
+        "The SQLite file, or its directory, is not writable by this process.",
+    ),
+    (
+        ("permission denied for", "command denied to user"),
+        "The database user may not write the lock table: GRANT SELECT, INSERT, UPDATE, "
+        "DELETE on django_dlock_lease to it.",
+    ),
+    (
+        ("permission_denied", "permission denied"),
+        "The etcd user needs read-write on the backend's key prefix and on dlock-epochs/.",
+    ),
+)
+
+
+def advice(error: BaseException) -> str:
+    """`` (What to do.)`` for an error whose cause the probe recognises; else ""."""
+    text = f"{error} {error.__cause__ or ''}".lower()
+    for needles, what in _ADVICE:
+        if any(needle in text for needle in needles):
+            return f" ({what})"
+    return ""
