@@ -145,6 +145,34 @@ def no_scripts_user(redis_url: str) -> Iterator[str]:
         client.close()
 
 
+@pytest.fixture
+def hardened_user(redis_url: str) -> Iterator[str]:
+    """A common hardened ACL: every command but the dangerous ones (INFO among them)."""
+    client = redis.Redis.from_url(redis_url)
+    user = f"hardened{uuid.uuid4().hex[:6]}"
+    client.acl_setuser(
+        user, enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-@dangerous"]
+    )
+    try:
+        yield redis_url.replace("redis://", f"redis://{user}:pw@", 1)
+    finally:
+        client.acl_deluser(user)
+        client.close()
+
+
+def test_a_redis_user_denied_info_but_not_the_scripts_passes_the_probe(
+    hardened_user: str, name: str
+) -> None:
+    backends = {"default": LOCMEM, "hardened": {"BACKEND": REDIS, "LOCATION": hardened_user}}
+    with override_settings(DLOCK_BACKENDS=backends):
+        with lock(name, backend="hardened", timeout=0):
+            pass  # it can lock: the probe must say so
+        status = locks["hardened"].ping()
+        assert "INFO is denied" in status.version
+        out, _ = run("check", "--backend", "hardened")
+        assert re.search(r"hardened .* ok", out)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_redis_user_denied_the_scripts_fails_the_probe_and_the_health_check(
     no_scripts_user: str,

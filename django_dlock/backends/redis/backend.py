@@ -34,8 +34,8 @@ from .connections import (
     CLIENT_ERRORS,
     Node,
     as_bytes,
+    ask_version,
     ms,
-    server_version,
     text,
     transient,
 )
@@ -471,8 +471,7 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
         return bool(self._single(name, self._break_call(name, token, "eq")))
 
     def do_ping(self) -> tuple[str, tuple[str, ...]]:
-        info = self._single("", lambda node: node.command("INFO", "server"))
-        return "Redis " + server_version(info), ()
+        return "Redis " + self._single("", ask_version), ()
 
     @property
     def tells_server_time(self) -> bool:

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from ...exceptions import BackendUnavailable, LockConfigurationError
 from ..base import BaseLockBackend, Grant, LockInfo
 from .backend import RedisBackend
-from .connections import Node, server_version, text
+from .connections import Node, ask_version, text
 from .listing import list_node
 
 #: A master with calls out that has answered none for this long gets no new
@@ -339,7 +339,7 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
         warnings = []
         for node in self.nodes:
             try:
-                versions.add(server_version(node.command("INFO", "server")))
+                versions.add(ask_version(node))
             except RedisError as e:
                 warnings.append(f"Redlock master {node.label} does not answer: {e}")
         if len(versions) == 0 or len(self.nodes) - len(warnings) < self.quorum:
