@@ -65,7 +65,18 @@ def backend_messages() -> Iterator[tuple[str | None, checks.CheckMessage]]:
         except LockConfigurationError as e:
             yield alias, checks.Error(str(e), obj=f"DLOCK_BACKENDS[{alias!r}]", id=e.check_id)
             continue
-        for message in backend.check():
+        try:
+            found = backend.check()
+        except Exception as e:  # a bug, or a setting a backend's check did not foresee
+            found = [
+                checks.Error(
+                    f"Lock backend {alias!r}: its settings could not be checked: "
+                    f"{type(e).__name__}: {e}",
+                    obj=f"DLOCK_BACKENDS[{alias!r}]",
+                    id="django_dlock.E006",
+                )
+            ]
+        for message in found:
             yield alias, message
 
 

@@ -506,3 +506,28 @@ def test_a_lock_table_locked_by_another_session_fails_the_probe() -> None:
         other.rollback()
         other.close()
     locks["db-postgresql"].ping()
+
+
+@pytest.mark.parametrize(
+    ("engine", "says"),
+    [
+        ("nosuch.engine", "cannot be loaded"),
+        ("django.db.backends.dummy", "the database backend supports sqlite"),
+    ],
+)
+def test_a_database_engine_the_backend_cannot_use_is_named_not_a_traceback(
+    engine: str, says: str, tmp_path: Path
+) -> None:
+    body = (
+        f"DATABASES['x'] = {{'ENGINE': {engine!r}}}\n"
+        f"DLOCK_BACKENDS = {{'default': {LOCMEM!r}, 'x': {{**{DB!r}, "
+        "'OPTIONS': {'database': 'x'}}}\n"
+    )
+    for args in [(), ("check",), ("--backend", "default")]:
+        result = manage(tmp_path, body, *args)
+        assert "Traceback" not in result.stderr, result.stderr
+        scoped = args == ("--backend", "default")  # only the good one: 0
+        assert result.returncode == (0 if scoped else 2), (args, result.stdout, result.stderr)
+        if not scoped:
+            assert "x: misconfigured: django_dlock.E008" in result.stderr
+            assert says in result.stderr

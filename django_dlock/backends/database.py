@@ -173,25 +173,23 @@ class DatabaseBackend(BoundLeases, DatabaseSlots, BaseLockBackend):
     def check(self) -> list[checks.CheckMessage]:
         from django.conf import settings
 
-        errors: list[checks.CheckMessage] = []
         if self.database not in settings.DATABASES:
-            errors.append(
-                checks.Error(
-                    f"Lock backend {self.alias!r}: database {self.database!r} is not in "
-                    "DATABASES.",
-                    id="django_dlock.E008",
+            problem = "is not in DATABASES"
+        else:
+            engine = settings.DATABASES[self.database].get("ENGINE")
+            try:
+                vendor = connections[self.database].vendor
+            except Exception as e:  # an ENGINE (or its driver) that cannot be imported
+                vendor, problem = None, f"has an ENGINE ({engine!r}) that cannot be loaded: {e}"
+            if vendor is not None and vendor not in SUPPORTED_VENDORS:
+                problem = (
+                    f"has the ENGINE {engine!r}; the database backend supports "
+                    f"{', '.join(SUPPORTED_VENDORS)}"
                 )
-            )
-        elif connections[self.database].vendor not in SUPPORTED_VENDORS:
-            errors.append(
-                checks.Error(
-                    f"Lock backend {self.alias!r}: database {self.database!r} is "
-                    f"{connections[self.database].vendor}; the database backend supports "
-                    f"{', '.join(SUPPORTED_VENDORS)}.",
-                    id="django_dlock.E008",
-                )
-            )
-        return errors
+            elif vendor is not None:
+                return []
+        message = f"Lock backend {self.alias!r}: database {self.database!r} {problem}."
+        return [checks.Error(message, id="django_dlock.E008")]
 
     def close(self) -> None:
         private = getattr(self._local, "connection", None)
