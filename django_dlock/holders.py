@@ -413,7 +413,7 @@ def shell_quote(text: str) -> str:
             escaped.append("\\" + ch)
         elif ch.isprintable():
             escaped.append(ch)
-        elif ord(ch) < 0x100:
+        elif ord(ch) < 0x80:  # bash reads \xHH as a byte: only ASCII is its own character
             escaped.append(f"\\x{ord(ch):02x}")
         elif ord(ch) < 0x10000:
             escaped.append(f"\\u{ord(ch):04x}")

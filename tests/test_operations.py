@@ -329,7 +329,15 @@ def test_a_watch_interval_too_long_to_sleep_is_bad_usage() -> None:
 
 
 @pytest.mark.parametrize(
-    "stem", ["-leading-dash", "line\nfeed", "esc\x1b[2J", "quote'\\back", "\u202erlo"]
+    "stem",
+    [
+        "-leading-dash",
+        "line\nfeed",
+        "esc\x1b[2J",
+        "quote'\\back",
+        "\u202erlo",
+        "c1\x9bnbsp\xa0\x85",
+    ],
 )
 def test_the_free_one_slot_hint_works_when_pasted(
     stem: str, tmp_path: Path, redis_servers: dict[str, Any]
@@ -531,3 +539,24 @@ def test_a_database_engine_the_backend_cannot_use_is_named_not_a_traceback(
         if not scoped:
             assert "x: misconfigured: django_dlock.E008" in result.stderr
             assert says in result.stderr
+
+
+@override_settings(DLOCK_BACKENDS={"default": LOCMEM})
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("show", "--", ""),
+        ("show", "--", f"{INTERNAL_PREFIX}probe"),
+        ("show", "--", "bad\udcffname"),  # what bash's $'\xff' gives as an argument
+        ("break", "--yes", "--", ""),
+        ("break", "--yes", "--", "a\x00b"),
+        ("list", "--prefix", "bad\udcff"),
+        ("break", "--yes", "--prefix", "a\x00"),
+    ],
+    ids=["empty", "internal", "surrogate", "break-empty", "nul", "prefix-surrogate", "prefix-nul"],
+)
+def test_a_name_no_lock_can_have_is_bad_usage_not_an_outage(args: tuple[str, ...]) -> None:
+    error, _, err = failing(*args)
+    assert error.returncode == 2, str(error)
+    assert "did not answer" not in str(error) + err
+    assert not ESC.search(str(error))

@@ -28,7 +28,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ... import holders
-from ..._validation import printable
+from ..._validation import printable, validate_name
 from ...checks import backend_messages
 from ...exceptions import LockConfigurationError
 from ...handler import locks
@@ -176,6 +176,14 @@ class Command(BaseCommand):
     def run(self, **options: Any) -> None:
         subcommand = options.get("subcommand") or "list"
         backend = options.get("backend")
+        # A name no lock can have is bad usage, not a backend's failure.
+        try:
+            if options.get("name") is not None:
+                validate_name(options["name"])
+            if options.get("prefix"):
+                validate_name(options["prefix"], what="A lock name prefix")
+        except (TypeError, ValueError) as e:
+            raise CommandError(printable(str(e)), returncode=USAGE) from None
         self.misconfigured = self.find_misconfigured(backend)
         if subcommand == "list":
             prefix = options.get("prefix") or ""
