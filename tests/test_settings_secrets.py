@@ -110,6 +110,21 @@ BAD = {
     "etcd userinfo": {"BACKEND": ETCD, "LOCATION": "http://root:pw@127.0.0.1:2379"},
     "etcd timeout inf": {"BACKEND": ETCD, "OPTIONS": {"timeout": float("inf")}},
 }
+# The review's cases: each passed the checks, then failed every call.
+for key, value in [
+    ("ssl_min_version", "TLSv1_2"),
+    ("protocol", 4),
+    ("client_name", "has space"),
+    ("client_name", "new\nline"),
+    ("socket_keepalive_options", {999: 1}),
+    ("socket_keepalive_options", {socket.TCP_KEEPIDLE: "1"}),
+    ("health_check_interval", float("inf")),
+]:
+    BAD[f"redis client_kwargs {key}={value!r}"] = {
+        "BACKEND": REDIS,
+        "LOCATION": R,
+        "OPTIONS": {"client_kwargs": {key: value}},
+    }
 for key in ("socket_timeout", "socket_connect_timeout"):
     for value in (float("inf"), float("nan"), -1, 0, True, "5"):
         BAD[f"redis {key}={value!r}"] = {
@@ -175,6 +190,18 @@ def test_a_missing_tls_file_is_a_check_error(backend: str, key: str) -> None:
             "OPTIONS": {"cluster": True, "client_kwargs": {"max_connections": 5}},
         },
         {"BACKEND": ETCD, "LOCATION": ["127.0.0.1:2379", "http://[::1]:2380/"]},
+        {
+            "BACKEND": REDIS,
+            "LOCATION": R,
+            "OPTIONS": {
+                "client_kwargs": {
+                    "health_check_interval": 1.5,
+                    "protocol": 3,
+                    "client_name": "billing-worker",
+                    "socket_keepalive_options": {socket.TCP_KEEPIDLE: 30},
+                }
+            },
+        },
     ],
 )
 def test_good_settings_still_pass(params: dict[str, Any]) -> None:
@@ -344,3 +371,29 @@ def test_no_secret_in_any_message(
     leaked = [text for text in shown if SECRET in text or "cr3t" in text]
     assert not leaked
     assert shown
+
+
+def test_client_kwargs_the_checks_accept_work_against_a_real_redis(
+    redis_servers: dict[str, Any],
+) -> None:
+    from django.conf import settings
+
+    from django_dlock import lock
+
+    kwargs = {
+        "health_check_interval": 1.5,
+        "protocol": 3,
+        "client_name": "billing-worker",
+        "socket_keepalive": True,
+        "socket_keepalive_options": {socket.TCP_KEEPIDLE: 30},
+    }
+    params = {
+        "BACKEND": REDIS,
+        "LOCATION": settings.DLOCK_BACKENDS["redis"]["LOCATION"],
+        "OPTIONS": {"client_kwargs": kwargs},
+    }
+    with override_settings(DLOCK_BACKENDS={"default": LOCMEM, "ok": params}):
+        assert [e for e in check_backends() if e.is_serious()] == []
+        with lock("kwargs-that-work", backend="ok", timeout=0) as held:
+            held.ensure()
+        locks["ok"].ping()

@@ -16,6 +16,9 @@ import functools
 import inspect
 import math
 import os
+import re
+import socket
+import ssl
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -38,6 +41,12 @@ OWN_ARGUMENTS = {
 }
 #: What redis-py reads in ``ssl_cert_reqs`` besides an ``ssl.VerifyMode``.
 CERT_REQS = ("none", "optional", "required")
+#: What Redis takes in CLIENT SETNAME: no spaces, newlines or other special characters.
+_CLIENT_NAME = re.compile(r"[!-~]*")
+#: The TCP options ``socket_keepalive_options`` may set on this platform.
+_TCP_OPTIONS = frozenset(
+    value for key, value in vars(socket).items() if key.startswith("TCP_") and type(value) is int
+)
 #: TLS files ``check()`` looks for.
 TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
@@ -144,7 +153,32 @@ def check_arguments(alias: str, kwargs: Mapping[str, Any], *, where: str) -> Non
         value = kwargs.get(key)
         if value is not None and not _positive(value):
             raise _fail(alias, f"{key} in {where} must be a positive, finite number of seconds.")
-    for key, low in (("db", 0), ("max_connections", 1), ("health_check_interval", 0)):
+    interval = kwargs.get("health_check_interval")
+    if interval is not None and not (_positive(interval) or interval == 0):
+        raise _fail(alias, f"health_check_interval in {where} must be a number of seconds >= 0.")
+    if kwargs.get("protocol") not in (None, 2, 3, "2", "3"):
+        raise _fail(alias, f"protocol in {where} must be 2 or 3 (RESP2 or RESP3).")
+    name = kwargs.get("client_name")
+    if name is not None and not (isinstance(name, str) and _CLIENT_NAME.fullmatch(name)):
+        raise _fail(
+            alias,
+            f"client_name in {where} must be a str of printable ASCII without spaces "
+            "(Redis refuses others in CLIENT SETNAME).",
+        )
+    version = kwargs.get("ssl_min_version")
+    if version is not None and not isinstance(version, ssl.TLSVersion):
+        raise _fail(alias, f"ssl_min_version in {where} must be an ssl.TLSVersion.")
+    keepalive = kwargs.get("socket_keepalive_options")
+    if keepalive is not None and not (
+        isinstance(keepalive, Mapping)
+        and all(k in _TCP_OPTIONS and type(v) is int and v >= 0 for k, v in keepalive.items())
+    ):
+        raise _fail(
+            alias,
+            f"socket_keepalive_options in {where} must map socket.TCP_* options "
+            "(such as socket.TCP_KEEPIDLE) to ints.",
+        )
+    for key, low in (("db", 0), ("max_connections", 1)):
         value = kwargs.get(key)
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < low
