@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._validation import INTERNAL_PREFIX, holder_metadata, new_owner, printable
+from ._validation import INTERNAL_PREFIX, holder_metadata, new_owner
 from .backends.types import BoundElsewhere
 from .clocks import ClockProbe
 from .dispatch import get_dispatcher, mark_lease_thread, send_robust
@@ -415,14 +415,14 @@ def lag_notes(backend: BaseLockBackend) -> list[str]:
     Each lagging process leaves a note (a lease under ``LAG_PREFIX``) that
     lasts ``LAG_NOTE_TTL`` seconds. A note is read as data, never trusted:
     one whose metadata is not what ``_leave_note`` writes (written to the
-    lock service directly) is reported as malformed, and no field of it
-    reaches the text unescaped.
+    lock service directly) is reported as malformed, and each field is cut
+    to 100 characters. The text is raw: whoever prints it escapes it.
     """
     notes = []
     for info in backend.list(LAG_PREFIX):
         holder = info.holder
         lag = holder.get("watchdog_lag") if isinstance(holder, dict) else None
-        if not isinstance(lag, dict):
+        if not (isinstance(lag, dict) and "late_s" in lag and {"pid", "host"} <= holder.keys()):
             notes.append(f"a malformed watchdog lag note: {_field(info.name)}")
             continue
         notes.append(
@@ -436,9 +436,9 @@ def lag_notes(backend: BaseLockBackend) -> list[str]:
 
 
 def _field(value: object) -> str:
-    """A note's field as text with no control character in it (at most 100 of them)."""
+    """A note's field as text of at most 100 characters."""
     text = value if isinstance(value, str) else repr(value)
-    return printable(text[:100] + ("..." if len(text) > 100 else ""))
+    return text[:100] + ("..." if len(text) > 100 else "")
 
 
 WAITED = (

@@ -270,7 +270,9 @@ def test_locks_check_exits_0_while_up_3_once_stopped_0_after_restart(
     result = probe(tmp_path, "--backend", "default")
     assert result.returncode == 3
     assert "FAILED" in result.stdout
-    assert result.stderr.endswith("CommandError: Backend(s) default did not answer.\n")
+    assert result.stderr.endswith(
+        "CommandError: Backend(s) default did not answer, or cannot lock: see above.\n"
+    )
 
     redis_server.start()
     result = probe(tmp_path, "--backend", "default")

@@ -237,8 +237,9 @@ def test_no_lock_can_take_or_fake_a_lag_note(name: str) -> None:
         {"watchdog_lag": [1, 2]},
         {"pid": {"x": 1}, "watchdog_lag": {"late_s": None}},
         {"pid": "\x1b]0;pwned\x07", "host": "\x1b[2J", "watchdog_lag": {"late_s": "\x1b[31m"}},
+        {"watchdog_lag": {}},
     ],
-    ids=["an-int", "a-list", "odd-types", "escapes"],
+    ids=["an-int", "a-list", "odd-types", "escapes", "empty"],
 )
 def test_a_malformed_lag_note_never_crashes_the_check_nor_reaches_the_terminal(
     holder: dict[str, Any],
@@ -252,6 +253,10 @@ def test_a_malformed_lag_note_never_crashes_the_check_nor_reaches_the_terminal(
         out, err = run("check")
         assert "default" in out
         assert not ESC.search(out + err), out
+        if holder == {"watchdog_lag": {}}:
+            assert "a malformed watchdog lag note" in out  # not "process None on None"
+        (row,) = json.loads(run("check", "--json")[0])
+        assert not any("\\x" in warning for warning in row["warnings"])  # escaped once, by JSON
         listed, _ = run("--json")
         assert json.loads(listed) == []  # the notes are not anybody's locks
     finally:

@@ -597,7 +597,8 @@ class Command(BaseCommand):
         failed = [r["backend"] for r in results if not r["ok"]]
         if failed:
             raise CommandError(
-                f"Backend(s) {', '.join(failed)} did not answer.", returncode=UNAVAILABLE
+                f"Backend(s) {', '.join(failed)} did not answer, or cannot lock: see above.",
+                returncode=UNAVAILABLE,
             )
 
 
