@@ -8,6 +8,7 @@ closes the pipe.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -130,34 +131,33 @@ def redis_url(redis_servers: dict[str, Any]) -> str:
     return str(settings.DLOCK_BACKENDS["redis"]["LOCATION"])
 
 
-@pytest.fixture
-def no_scripts_user(redis_url: str) -> Iterator[str]:
-    """A Redis ACL user who may run every command but the scripts (NOPERM on EVALSHA)."""
+@contextlib.contextmanager
+def acl_user(redis_url: str, denied: str) -> Iterator[str]:
+    """The URL of a Redis ACL user who may run every command but the category ``denied``."""
     client = redis.Redis.from_url(redis_url)
-    user = f"noscripts{uuid.uuid4().hex[:6]}"
+    user = f"ops{uuid.uuid4().hex[:8]}"
     client.acl_setuser(
-        user, enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-@scripting"]
+        user, enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", f"-@{denied}"]
     )
     try:
         yield redis_url.replace("redis://", f"redis://{user}:pw@", 1)
     finally:
         client.acl_deluser(user)
         client.close()
+
+
+@pytest.fixture
+def no_scripts_user(redis_url: str) -> Iterator[str]:
+    """May not run the scripts: NOPERM on EVALSHA."""
+    with acl_user(redis_url, "scripting") as url:
+        yield url
 
 
 @pytest.fixture
 def hardened_user(redis_url: str) -> Iterator[str]:
-    """A common hardened ACL: every command but the dangerous ones (INFO among them)."""
-    client = redis.Redis.from_url(redis_url)
-    user = f"hardened{uuid.uuid4().hex[:6]}"
-    client.acl_setuser(
-        user, enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-@dangerous"]
-    )
-    try:
-        yield redis_url.replace("redis://", f"redis://{user}:pw@", 1)
-    finally:
-        client.acl_deluser(user)
-        client.close()
+    """A common hardened ACL: no dangerous commands (INFO among them)."""
+    with acl_user(redis_url, "dangerous") as url:
+        yield url
 
 
 def test_a_redis_user_denied_info_but_not_the_scripts_passes_the_probe(
