@@ -257,6 +257,21 @@ def redis_places(port: int) -> dict[str, dict[str, Any]]:
             "LOCATION": f"redis://{at}/0?username=me&passw%6Frd={SECRET}",
             **fast,
         },
+        "url query password with a ;": {
+            "BACKEND": REDIS,
+            "LOCATION": f"redis://{at}/0?password=a;{SECRET}",
+            **fast,
+        },
+        "url query password with an unescaped #": {
+            "BACKEND": REDIS,
+            "LOCATION": f"redis://{at}/0?password=a#{SECRET}",
+            **fast,
+        },
+        "url query password with an unescaped &": {
+            "BACKEND": REDIS,
+            "LOCATION": f"redis://{at}/0?password=a&{SECRET}",
+            **fast,
+        },
         "client_kwargs password": {"BACKEND": REDIS, "LOCATION": f"redis://{at}/0", **kwargs},
         "redlock masters": {
             "BACKEND": REDLOCK,

@@ -44,13 +44,22 @@ def redacted(location: Any) -> str:
 
 
 def _query_redacted(text: str) -> str:
-    """``text`` with the value of each secret-looking query parameter as ``***``."""
+    """``text`` with the value of each secret-looking query parameter as ``***``.
+
+    Split as redis-py splits a query: on ``&`` only, so a ``;`` in a
+    password stays in what is hidden. What follows a ``#`` (a fragment,
+    or the rest of a password whose ``#`` was not escaped) and a piece with
+    no ``=`` (the rest of one whose ``&`` was not escaped) are hidden too.
+    """
     head, mark, query = text.partition("?")
     if not mark:
         return text
-    pieces = re.split(r"([&;#])", query)
+    query, fragment, _ = query.partition("#")
+    pieces = query.split("&")
     for i, piece in enumerate(pieces):
         key, equals, _ = piece.partition("=")
-        if equals and _SECRET_KEY.search(unquote_plus(key)):
+        if not equals and piece:
+            pieces[i] = "***"
+        elif equals and _SECRET_KEY.search(unquote_plus(key)):
             pieces[i] = f"{key}=***"
-    return f"{head}?{''.join(pieces)}"
+    return f"{head}?{'&'.join(pieces)}{fragment and '#***'}"
