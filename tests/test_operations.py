@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from io import StringIO
@@ -565,3 +566,58 @@ def test_a_name_no_lock_can_have_is_bad_usage_not_an_outage(args: tuple[str, ...
     assert error.returncode == 2, str(error)
     assert "did not answer" not in str(error) + err
     assert not ESC.search(str(error))
+
+
+PINGER = r"""
+import sys, time
+import django
+django.setup()
+from django_dlock import locks
+alias, start, count = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+locks[alias]
+while time.time() < start:
+    time.sleep(0.001)
+failed = []
+for _ in range(count):
+    try:
+        locks[alias].ping()
+    except Exception as e:
+        failed.append(f"{type(e).__name__}: {e}")
+print(len(failed), failed[:1])
+"""
+
+
+@pytest.mark.backends("redis", "db-sqlite", "db-postgresql")
+def test_probes_at_the_same_moment_do_not_fail_each_other(
+    backend_alias: str, tmp_path: Path
+) -> None:
+    """Processes that probe one backend together meet on the probe's name: none may fail."""
+    module = f"ops_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text("from tests.settings import *  # noqa\n")
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": module,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), str(ROOT / "testproject")]),
+    }
+    if backend_alias != "redis":  # the processes use the test database, as the tests do
+        database = connections[settings.CONFORMANCE_BACKENDS[backend_alias]].settings_dict
+        (tmp_path / f"{module}.py").write_text(
+            "from tests.settings import *  # noqa\n"
+            f"DATABASES[{settings.CONFORMANCE_BACKENDS[backend_alias]!r}]['NAME'] = "
+            f"{database['NAME']!r}\n"
+        )
+    start = time.time() + 4
+    pingers = [
+        subprocess.Popen(
+            [sys.executable, "-c", PINGER, backend_alias, str(start), "40"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=120) for p in pingers]
+    for out, err in outputs:
+        assert out.startswith("0 "), (out, err[-2000:])

@@ -21,6 +21,8 @@ tables, which a migration or ACL could still leave out).
 
 from __future__ import annotations
 
+import random
+import time
 from typing import TYPE_CHECKING
 
 from .._validation import INTERNAL_PREFIX, holder_metadata, new_owner
@@ -34,26 +36,30 @@ if TYPE_CHECKING:
 PROBE_NAME = f"{INTERNAL_PREFIX}probe"
 #: Seconds the probe's lease lasts when its release does not arrive.
 PROBE_TTL = 10.0
+#: Seconds of refusals, with nobody holding the name, after which the probe fails.
+REFUSED_FOR = 1.0
 
 
 def probe(backend: BaseLockBackend) -> None:
     """Take and release the probe's lease; ``BackendUnavailable`` saying which step failed."""
     owner = new_owner()
     holder = holder_metadata(PROBE_TTL, {"probe": True})[1]
-    for _ in range(2):
-        if _granted(backend, owner, holder):
-            break
+    deadline = time.monotonic() + REFUSED_FOR
+    while not _granted(backend, owner, holder):
         if _held_by_another_probe(backend):
             return  # the acquisition ran and was answered: that is what is proved
-    else:
-        # Refused twice, with nobody holding the name: a database stays busy
-        # (and refuses) while another connection holds a write lock on it.
-        raise _cannot_lock(
-            backend,
-            "it refused the probe's lease, which nobody holds (a database refuses while "
-            "another connection holds its write lock, or a lock on the lock table, for "
-            "longer than the backend waits)",
-        )
+        # Refused with nobody holding the name: another probe's lease came and
+        # went between the two calls (probes at the same moment), or the
+        # service refuses while nobody holds it (a database kept busy by
+        # another connection's write lock). Only the second lasts.
+        if time.monotonic() > deadline:
+            raise _cannot_lock(
+                backend,
+                f"it refused the probe's lease for {REFUSED_FOR:g} s while nobody held it "
+                "(a database refuses so while another connection holds its write lock, or "
+                "a lock on the lock table, for longer than the backend waits)",
+            )
+        time.sleep(random.uniform(0.01, 0.05))
     try:
         backend.do_release(PROBE_NAME, owner)
     except (Busy, BackendUnavailable) as e:
