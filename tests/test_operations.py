@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -133,12 +134,21 @@ def redis_url(redis_servers: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def acl_user(redis_url: str, denied: str) -> Iterator[str]:
-    """The URL of a Redis ACL user who may run every command but the category ``denied``."""
+def acl_user(redis_url: str, denied: str, channels: list[str] | None = None) -> Iterator[str]:
+    """The URL of a Redis ACL user who may run every command but the category ``denied``.
+
+    On every key, and on the ``channels`` (by default all; Redis 7 gives a new user none).
+    """
     client = redis.Redis.from_url(redis_url)
     user = f"ops{uuid.uuid4().hex[:8]}"
     client.acl_setuser(
-        user, enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", f"-@{denied}"]
+        user,
+        enabled=True,
+        passwords=["+pw"],
+        keys=["*"],
+        channels=["*"] if channels is None else channels,
+        reset_channels=True,
+        commands=["+@all", f"-@{denied}"],
     )
     try:
         yield redis_url.replace("redis://", f"redis://{user}:pw@", 1)
@@ -159,6 +169,31 @@ def hardened_user(redis_url: str) -> Iterator[str]:
     """A common hardened ACL: no dangerous commands (INFO among them)."""
     with acl_user(redis_url, "dangerous") as url:
         yield url
+
+
+def test_a_redis_user_denied_the_channels_fails_the_probe(redis_url: str, name: str) -> None:
+    """Its lone locks work; the release a waiter waits for would fail on its PUBLISH."""
+    with acl_user(redis_url, "dangerous", channels=[]) as url:
+        backends = {"default": LOCMEM, "nochannels": {"BACKEND": REDIS, "LOCATION": url}}
+        with override_settings(DLOCK_BACKENDS=backends):
+            with pytest.raises(BackendUnavailable, match="may not publish") as excinfo:
+                locks["nochannels"].ping()
+            assert "&*" in str(excinfo.value)
+            holder = lock(name, backend="nochannels").acquire()
+            waiter = threading.Thread(target=_wait_for, args=(name, "nochannels"), daemon=True)
+            waiter.start()
+            time.sleep(0.5)  # it waits in the queue: the release wakes it by PUBLISH
+            try:
+                with pytest.raises(BackendUnavailable, match="channel"):
+                    holder.release()
+            finally:
+                holder.release_quietly()
+                waiter.join(10)
+
+
+def _wait_for(name: str, alias: str) -> None:
+    with contextlib.suppress(Exception):
+        lock(name, backend=alias, timeout=3).acquire().release_quietly()
 
 
 def test_a_redis_user_denied_info_but_not_the_scripts_passes_the_probe(
@@ -495,7 +530,7 @@ def test_a_database_held_busy_fails_the_probe(tmp_path: Path) -> None:
         writer.execute("ROLLBACK")
         writer.close()
     assert result.returncode == 3, (result.stdout, result.stderr)
-    assert "refused the probe's lease, which nobody holds" in result.stdout
+    assert "refused the probe's lease for 1 s while nobody held it" in result.stdout
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "postgresql"])

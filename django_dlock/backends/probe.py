@@ -102,7 +102,8 @@ _ADVICE = (
     (
         ("noperm", "no permissions to run", "no permissions to access"),
         "The Redis user may not run the lock scripts: its ACL needs +@scripting "
-        "(EVALSHA, EVAL, SCRIPT) and the keys under the backend's KEY_PREFIX.",
+        "(EVALSHA, EVAL, SCRIPT), the keys under the backend's KEY_PREFIX and its "
+        "channels (&*).",
     ),
     (
         ("readonly you can't write", "read only replica"),

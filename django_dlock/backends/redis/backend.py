@@ -28,6 +28,7 @@ from redis.retry import Retry
 
 from ...exceptions import BackendUnavailable, LockConfigurationError
 from ..base import Attempt, Grant, LockInfo
+from ..probe import PROBE_NAME
 from ..redaction import redacted
 from .aio import AsyncNode
 from .connections import (
@@ -471,7 +472,8 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
         return bool(self._single(name, self._break_call(name, token, "eq")))
 
     def do_ping(self) -> tuple[str, tuple[str, ...]]:
-        return "Redis " + self._single("", ask_version), ()
+        wake = self._keys(PROBE_NAME).wake
+        return "Redis " + self._single("", lambda node: ask_version(node, wake)), ()
 
     @property
     def tells_server_time(self) -> bool:

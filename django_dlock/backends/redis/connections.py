@@ -306,18 +306,30 @@ class _Lease:
             self.give_back()
 
 
-def ask_version(node: Any) -> str:
+def ask_version(node: Any, channel: str) -> str:
     """The server's version by ``INFO server``; by ``PING`` when the user may not run INFO.
 
     A hardened ACL (``-@dangerous``) denies INFO while the lock scripts are
     allowed: the server answers, and the probe after the ping tells whether
-    it can lock.
+    it can lock. Then a ``PUBLISH`` on ``channel``, a wake-up channel of the
+    backend's: a release publishes on one when a caller waits, and Redis 7
+    gives an ACL user no channel unless told (``acl-pubsub-default``), so
+    every contended release would fail where a lone lock passes the probe.
     """
     try:
-        return server_version(node.command("INFO", "server"))
+        version = server_version(node.command("INFO", "server"))
     except NoPermissionError:
         node.command("PING")
-        return "unknown version (INFO is denied to this user)"
+        version = "unknown version (INFO is denied to this user)"
+    try:
+        node.command("PUBLISH", channel, "")
+    except NoPermissionError as e:
+        raise NoPermissionError(
+            f"{e}: the user may not publish on the locks' wake-up channels, and every release "
+            "that a waiter waits for would fail (give its ACL &* or the channels under the "
+            "backend's KEY_PREFIX: Redis 7 gives a new user none)"
+        ) from e
+    return version
 
 
 def server_version(info: Any) -> str:

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from ...exceptions import BackendUnavailable, LockConfigurationError
 from ..base import BaseLockBackend, Grant, LockInfo
+from ..probe import PROBE_NAME
 from .backend import RedisBackend
 from .connections import Node, ask_version, text
 from .listing import list_node
@@ -337,9 +338,10 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
     def do_ping(self) -> tuple[str, tuple[str, ...]]:
         versions: set[str] = set()
         warnings = []
+        wake = self._keys(PROBE_NAME).wake
         for node in self.nodes:
             try:
-                versions.add(ask_version(node))
+                versions.add(ask_version(node, wake))
             except RedisError as e:
                 warnings.append(f"Redlock master {node.label} does not answer: {e}")
         if len(versions) == 0 or len(self.nodes) - len(warnings) < self.quorum:
