@@ -33,6 +33,7 @@ from django.test import Client, override_settings
 from django_dlock import (
     BackendUnavailable,
     LockLost,
+    LockTimeout,
     lock,
     locks,
     semaphore,
@@ -656,3 +657,35 @@ def test_probes_at_the_same_moment_do_not_fail_each_other(
     outputs = [p.communicate(timeout=120) for p in pingers]
     for out, err in outputs:
         assert out.startswith("0 "), (out, err[-2000:])
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "mysql"])
+def test_a_lock_table_locked_by_another_mariadb_session_is_waited_for_boundedly(
+    name: str,
+) -> None:
+    """LOCK TABLES ... WRITE: MariaDB waits a day for a table lock unless told otherwise."""
+    if "mysql" not in connections:
+        pytest.skip(settings.UNAVAILABLE_BACKENDS.get("db-mysql", "no MariaDB"))
+    import MySQLdb
+
+    entry = connections["mysql"].settings_dict
+    other = MySQLdb.connect(
+        host=entry["HOST"],
+        port=int(entry["PORT"]),
+        user=entry["USER"],
+        password=entry["PASSWORD"] or "",
+        database=entry["NAME"],
+    )
+    try:
+        other.cursor().execute("LOCK TABLES django_dlock_lease WRITE")
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable, match="no lock can be taken"):
+            locks["db-mysql"].ping()
+        with pytest.raises(LockTimeout):
+            lock(name, backend="db-mysql", timeout=2).acquire()
+        assert time.monotonic() - started < 30
+    finally:
+        other.cursor().execute("UNLOCK TABLES")
+        other.close()
+    with lock(name, backend="db-mysql", timeout=5):
+        pass

@@ -89,7 +89,8 @@ class BoundedCursor:
     ``atomic()`` (the backend's own transaction, if any, is then the only one
     the setting can last for) and with client-side binding (Django's
     default; ``server_side_binding`` sends one statement a query). MariaDB:
-    ``SET STATEMENT innodb_lock_wait_timeout=1 FOR`` the statement. Other
+    ``SET STATEMENT innodb_lock_wait_timeout=1, lock_wait_timeout=1 FOR`` the
+    statement (row locks, and table locks such as ``LOCK TABLES``). Other
     vendors, and MySQL (no per-statement form), run the statement as is.
     """
 
@@ -123,8 +124,12 @@ def bounded(connection: BaseDatabaseWrapper, cursor: Any) -> Any:
         return BoundedCursor(cursor, f"SET LOCAL lock_timeout = '{ms}ms'; ", True)
     if vendor == "mysql" and getattr(connection, "mysql_is_mariadb", False):
         seconds = max(1, round(LOCK_WAIT))
+        # lock_wait_timeout: a table or metadata lock (LOCK TABLES, ALTER
+        # TABLE), which waits a day by default.
         return BoundedCursor(
-            cursor, f"SET STATEMENT innodb_lock_wait_timeout={seconds} FOR ", False
+            cursor,
+            f"SET STATEMENT innodb_lock_wait_timeout={seconds}, lock_wait_timeout={seconds} FOR ",
+            False,
         )
     return cursor
 
