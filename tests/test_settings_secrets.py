@@ -119,6 +119,14 @@ for key, value in [
     ("socket_keepalive_options", {999: 1}),
     ("socket_keepalive_options", {socket.TCP_KEEPIDLE: "1"}),
     ("health_check_interval", float("inf")),
+    ("socket_keepalive_options", {socket.TCP_KEEPIDLE: 0}),
+    ("socket_keepalive_options", {socket.TCP_KEEPIDLE: 2**31}),
+    ("socket_keepalive_options", {socket.TCP_INFO: 1}),
+    ("socket_read_size", 0),
+    ("socket_type", 99),
+    ("credential_provider", "x"),
+    ("lib_name", 5),
+    ("driver_info", "x"),
 ]:
     BAD[f"redis client_kwargs {key}={value!r}"] = {
         "BACKEND": REDIS,
@@ -201,6 +209,15 @@ def test_a_missing_tls_file_is_a_check_error(backend: str, key: str) -> None:
                     "socket_keepalive_options": {socket.TCP_KEEPIDLE: 30},
                 }
             },
+        },
+        {
+            "BACKEND": REDIS,
+            "LOCATION": "rediss://127.0.0.1:6380/0?ssl_min_version=771&ssl_cert_reqs=none",
+        },
+        {
+            "BACKEND": REDIS,
+            "LOCATION": R,
+            "OPTIONS": {"client_kwargs": {"socket_type": socket.AF_INET, "lib_name": "x"}},
         },
     ],
 )

@@ -27,6 +27,12 @@ import redis
 import redis.asyncio.connection as async_connection
 import redis.cluster
 from redis import connection as sync_connection
+from redis.credentials import CredentialProvider
+
+try:
+    from redis import driver_info
+except ImportError:  # redis-py before 7: no such argument
+    driver_info = None  # type: ignore[assignment]
 
 from ...exceptions import LockConfigurationError
 from ..redaction import redacted
@@ -43,9 +49,11 @@ OWN_ARGUMENTS = {
 CERT_REQS = ("none", "optional", "required")
 #: What Redis takes in CLIENT SETNAME: no spaces, newlines or other special characters.
 _CLIENT_NAME = re.compile(r"[!-~]*")
-#: The TCP options ``socket_keepalive_options`` may set on this platform.
-_TCP_OPTIONS = frozenset(
-    value for key, value in vars(socket).items() if key.startswith("TCP_") and type(value) is int
+#: The keepalive options ``socket_keepalive_options`` may set on this platform.
+_KEEPALIVE = frozenset(
+    getattr(socket, key)
+    for key in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT", "TCP_KEEPALIVE")
+    if hasattr(socket, key)
 )
 #: TLS files ``check()`` looks for.
 TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
@@ -166,18 +174,35 @@ def check_arguments(alias: str, kwargs: Mapping[str, Any], *, where: str) -> Non
             "(Redis refuses others in CLIENT SETNAME).",
         )
     version = kwargs.get("ssl_min_version")
-    if version is not None and not isinstance(version, ssl.TLSVersion):
+    if version is not None and version not in set(ssl.TLSVersion):  # a URL gives an int
         raise _fail(alias, f"ssl_min_version in {where} must be an ssl.TLSVersion.")
     keepalive = kwargs.get("socket_keepalive_options")
     if keepalive is not None and not (
         isinstance(keepalive, Mapping)
-        and all(k in _TCP_OPTIONS and type(v) is int and v >= 0 for k, v in keepalive.items())
+        and all(
+            k in _KEEPALIVE and type(v) is int and 1 <= v < 2**15 for k, v in keepalive.items()
+        )
     ):
         raise _fail(
             alias,
-            f"socket_keepalive_options in {where} must map socket.TCP_* options "
-            "(such as socket.TCP_KEEPIDLE) to ints.",
+            f"socket_keepalive_options in {where} must map socket.TCP_KEEPIDLE, "
+            "TCP_KEEPINTVL or TCP_KEEPCNT to a number from 1 to 32767.",
         )
+    if kwargs.get("socket_type") not in (None, 0, socket.AF_INET, socket.AF_INET6):
+        raise _fail(alias, f"socket_type in {where} must be 0, socket.AF_INET or AF_INET6.")
+    size = kwargs.get("socket_read_size")
+    if size is not None and not (type(size) is int and size > 0):
+        raise _fail(alias, f"socket_read_size in {where} must be a positive int.")
+    provider = kwargs.get("credential_provider")
+    if provider is not None and not isinstance(provider, CredentialProvider):
+        raise _fail(alias, f"credential_provider in {where} must be a CredentialProvider.")
+    info = kwargs.get("driver_info")
+    if info is not None and not isinstance(info, getattr(driver_info, "DriverInfo", object)):
+        raise _fail(alias, f"driver_info in {where} must be a redis.driver_info.DriverInfo.")
+    for key in ("lib_name", "lib_version"):
+        value = kwargs.get(key)
+        if value is not None and not isinstance(value, str):
+            raise _fail(alias, f"{key} in {where} must be a str.")
     for key, low in (("db", 0), ("max_connections", 1)):
         value = kwargs.get(key)
         if value is not None and (
