@@ -422,7 +422,12 @@ def lag_notes(backend: BaseLockBackend) -> list[str]:
     for info in backend.list(LAG_PREFIX):
         holder = info.holder
         lag = holder.get("watchdog_lag") if isinstance(holder, dict) else None
-        if not (isinstance(lag, dict) and "late_s" in lag and {"pid", "host"} <= holder.keys()):
+        if not (
+            isinstance(lag, dict)
+            and isinstance(lag.get("late_s"), (int, float))
+            and isinstance(holder.get("pid"), int)
+            and isinstance(holder.get("host"), str)
+        ):
             notes.append(f"a malformed watchdog lag note: {_field(info.name)}")
             continue
         notes.append(

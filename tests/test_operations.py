@@ -275,8 +275,9 @@ def test_no_lock_can_take_or_fake_a_lag_note(name: str) -> None:
         {"pid": {"x": 1}, "watchdog_lag": {"late_s": None}},
         {"pid": "\x1b]0;pwned\x07", "host": "\x1b[2J", "watchdog_lag": {"late_s": "\x1b[31m"}},
         {"watchdog_lag": {}},
+        {"host": None, "pid": None, "watchdog_lag": {"late_s": None}},
     ],
-    ids=["an-int", "a-list", "odd-types", "escapes", "empty"],
+    ids=["an-int", "a-list", "odd-types", "escapes", "empty", "nulls"],
 )
 def test_a_malformed_lag_note_never_crashes_the_check_nor_reaches_the_terminal(
     holder: dict[str, Any],
@@ -290,7 +291,7 @@ def test_a_malformed_lag_note_never_crashes_the_check_nor_reaches_the_terminal(
         out, err = run("check")
         assert "default" in out
         assert not ESC.search(out + err), out
-        if holder == {"watchdog_lag": {}}:
+        if holder.get("host") is None:
             assert "a malformed watchdog lag note" in out  # not "process None on None"
         (row,) = json.loads(run("check", "--json")[0])
         assert not any("\\x" in warning for warning in row["warnings"])  # escaped once, by JSON
@@ -563,6 +564,7 @@ def test_a_lock_table_locked_by_another_session_fails_the_probe() -> None:
     [
         ("nosuch.engine", "cannot be loaded"),
         ("django.db.backends.dummy", "the database backend supports sqlite"),
+        ("django.db.backends.sqlite3", "cannot be connected to"),  # no NAME
     ],
 )
 def test_a_database_engine_the_backend_cannot_use_is_named_not_a_traceback(

@@ -181,6 +181,12 @@ class DatabaseBackend(BoundLeases, DatabaseSlots, BaseLockBackend):
                 vendor = connections[self.database].vendor
             except Exception as e:  # an ENGINE (or its driver) that cannot be imported
                 vendor, problem = None, f"has an ENGINE ({engine!r}) that cannot be loaded: {e}"
+            else:
+                try:  # what the first connection would refuse: no NAME, say
+                    if vendor in SUPPORTED_VENDORS:
+                        connections[self.database].get_connection_params()
+                except ImproperlyConfigured as e:
+                    vendor, problem = None, f"cannot be connected to: {e}"
             if vendor is not None and vendor not in SUPPORTED_VENDORS:
                 problem = (
                     f"has the ENGINE {engine!r}; the database backend supports "
