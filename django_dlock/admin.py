@@ -49,7 +49,6 @@ from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
-from django.db import connections
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -309,7 +308,9 @@ def bounded_listing(
     """``listing_of(alias)`` for each alias, merged in their order, within ``timeout``.
 
     Each runs on a daemon thread and they run at once, so the wait is
-    ``timeout`` at most, whatever the backends do. The second value is a
+    ``timeout`` at most, whatever the backends do; but a backend on Django's
+    databases is listed on the request's thread and connection (its own
+    timeouts bound it, as they bound the rest of the page). The second value is a
     message per backend that did not answer in time, failed, or could not be
     created from its settings (its own error, which names it). A backend
     whose listing has been under way for longer than ``timeout`` is not
@@ -324,6 +325,17 @@ def bounded_listing(
             backend = locks[alias]
         except Exception as e:  # bad settings: an ImproperlyConfigured, or the client's own
             errors[alias] = f"Backend {alias} is not configured correctly: {e}"
+            continue
+        if backend.uses_django_connections:
+            # On the request's own connection: another thread's would not see
+            # what this one has not committed (a TestCase, ATOMIC_REQUESTS),
+            # and the page needs that database anyway.
+            inline: Future[holders.Listing] = Future()
+            try:
+                inline.set_result(listing_of(alias))
+            except Exception as e:
+                inline.set_exception(e)
+            futures[alias] = inline
             continue
         started = _start(backend, partial(listing_of, alias), timeout)
         if isinstance(started, float):
@@ -372,8 +384,6 @@ def _start(
                 began.remove(now)
                 if not began:
                     _under_way.pop(backend, None)
-            if backend.uses_django_connections:
-                connections.close_all()  # this thread's own: it ends here
 
     threading.Thread(target=run, name=f"dlock-admin:{backend.alias}", daemon=True).start()
     return future

@@ -127,3 +127,16 @@ def test_a_misconfigured_backend_is_named_and_the_rest_are_listed(
         assert done.status_code == 200
         assert message in html.unescape(done.content.decode())
         held.ensure()
+
+
+@pytest.mark.django_db  # a TestCase's transaction: nothing the test writes is committed
+def test_a_lease_the_request_s_own_transaction_holds_is_listed(
+    name: str, admin_client: Client
+) -> None:
+    """The database backend is listed on the request's connection, not another thread's."""
+    database = {"default": {"BACKEND": "django_dlock.backends.database.DatabaseBackend"}}
+    with override_settings(DLOCK_BACKENDS=database):
+        with lock(name) as held:
+            page = admin_client.get(reverse(CHANGELIST))
+            assert page.status_code == 200
+            assert rows(page) == [{"backend": "default", "name": name, "token": str(held.token)}]

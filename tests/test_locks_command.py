@@ -720,9 +720,12 @@ def test_watch_on_a_terminal_redraws_in_place(redis_only: str, name: str) -> Non
     }
 )
 def test_misconfigured_backends_are_reported_not_a_traceback() -> None:
-    error, _ = failing("list")
-    assert error.returncode == 2
-    assert str(error).startswith("DLOCK_BACKENDS is misconfigured:\n  django_dlock.E004: ")
+    out, err = StringIO(), StringIO()
+    with pytest.raises(CommandError) as excinfo:
+        call_command("locks", "list", stdout=out, stderr=err, no_color=True)
+    assert excinfo.value.returncode == 2
+    assert "misconfigured" in str(excinfo.value)
+    assert err.getvalue().startswith("default: misconfigured: django_dlock.E004: ")
 
 
 @override_settings(DLOCK_BACKENDS=["not", "a", "dict"])
