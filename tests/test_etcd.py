@@ -1059,3 +1059,39 @@ def test_no_lock_lost_as_the_interpreter_exits_holding(name: str) -> None:
     assert "HELD" in out.stdout, out.stderr
     assert "LOST" not in out.stdout, out.stdout
     assert locks["etcd"].list(name) == []  # revoked: released at once
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_a_process_s_first_acquisitions_leave_no_key_of_theirs_behind(
+    etcd_servers: dict[str, Any], name: str, run: int
+) -> None:
+    """A new backend (a new process's) acquires on several threads at once.
+
+    Its first look at the epochs makes the puts made meanwhile suspect; each
+    is deleted and put anew. The delete compared the key's create revision
+    before it was set (0), so the key stayed, under the session lease, ahead
+    of the one put anew: that acquisition waited for its own key.
+    """
+    fresh = f"etcd-fresh-{run}"
+    backends = {**settings.DLOCK_BACKENDS, fresh: settings.DLOCK_BACKENDS["etcd"]}
+    names = [f"{name}:{i}" for i in range(8)]
+    with override_settings(DLOCK_BACKENDS=backends):
+        got: list[str] = []
+        errors: list[BaseException] = []
+
+        def take(each: str) -> None:
+            try:
+                with lock(each, backend=fresh, ttl=30, timeout=5):
+                    got.append(each)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=take, args=(each,)) for each in names]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not errors, errors
+        assert sorted(got) == names
+        assert locks[fresh].list(name) == []
+        locks[fresh].close()

@@ -288,15 +288,18 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
                 # the session lease would keep that key alive for good.
                 self.state.delete_unknown(key, lease)
             raise
+        # Our key was created by this transaction: its create revision is the
+        # reply's (the delete below compares it; 0 would leave the key).
+        entry.revision = reply.header.revision
         if state.epochs.suspect:
-            # etcd went back to an older revision (a restore): our key took
-            # the old epoch. Put it anew after a look (a new epoch).
+            # etcd went back to an older revision (a restore), or this is the
+            # process's first look: our key took the old epoch. Put it anew
+            # after a look (a new epoch).
             self._leave_queue(name, owner)
             if lease.private:
                 state.revoke_quietly(lease)
             attempt.entry = attempt.ahead = None
             return self._try_acquire(attempt)
-        entry.revision = reply.header.revision
         entry.epoch = state.epochs.epoch_for(
             state.epochs.parse(reply.responses[2].response_range.kvs), entry.revision
         )

@@ -188,6 +188,8 @@ class EtcdSlots(BaseLockBackend):
                 raise
             if reply.succeeded and state.epochs.suspect:
                 # etcd went back (a restore): put our key anew after a look.
+                # Its create revision is the reply's (the delete compares it).
+                entry.revision = reply.header.revision
                 self.do_leave_slot(name, owner)
                 if lease.private:
                     state.revoke_quietly(lease)
