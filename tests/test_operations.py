@@ -112,6 +112,29 @@ def test_a_ping_inside_a_transaction_leaves_nothing_behind(
         held.ensure()
 
 
+@pytest.mark.backends("db-sqlite", "db-postgresql", "db-mysql")
+def test_a_ping_inside_a_transaction_while_another_probe_holds_the_name(
+    backend_alias: str, backend: BaseLockBackend
+) -> None:
+    """On SQLite a held name inside atomic() is LockInTransaction: still an answer."""
+    database = settings.CONFORMANCE_BACKENDS[backend_alias]
+    owner: list[str] = []
+
+    def other_probe() -> None:  # another connection: another thread's
+        owner.append(new_owner())
+        assert backend.do_acquire(PROBE_NAME, owner[0], 10, "{}", False) is not None
+        connections.close_all()
+
+    thread = threading.Thread(target=other_probe)
+    thread.start()
+    thread.join(10)
+    try:
+        with transaction.atomic(using=database):
+            backend.ping()
+    finally:
+        backend.do_break(PROBE_NAME, None)
+
+
 def test_a_lock_table_not_migrated_fails_the_probe_and_says_migrate(tmp_path: Path) -> None:
     body = (
         f"DATABASES = {{'default': {{'ENGINE': 'django.db.backends.sqlite3', "
