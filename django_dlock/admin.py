@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-import os
 import re
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -59,6 +57,7 @@ from .backends.base import BaseLockBackend, LockInfo
 from .exceptions import DLockError, LockTimeout
 from .handler import locks
 from .models import LockListing
+from .pings import UnderWay, on_daemon_thread
 
 #: Leases per page.
 PER_PAGE = 100
@@ -288,18 +287,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 
 #: backend -> when each of its listings under way began (time.monotonic())
-_under_way: dict[BaseLockBackend, list[float]] = {}
-_under_way_mutex = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    """The threads that would end the listings under way did not come along."""
-    global _under_way_mutex
-    _under_way_mutex = threading.Lock()
-    _under_way.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_listings = UnderWay()
 
 
 def bounded_listing(
@@ -366,27 +354,19 @@ def _start(
     """``call()`` on a daemon thread; or, if a listing of ``backend`` has been under way
     for longer than ``timeout``, the seconds it has been (and nothing started)."""
     now = time.monotonic()
-    with _under_way_mutex:
-        began = _under_way.setdefault(backend, [])
+    with _listings.mutex:
+        began: list[float] = _listings.calls.setdefault(backend, [])
         if began and now - min(began) > timeout:
             return now - min(began)
         began.append(now)
-    future: Future[holders.Listing] = Future()
-    future.set_running_or_notify_cancel()
 
-    def run() -> None:
-        try:
-            future.set_result(call())
-        except BaseException as e:
-            future.set_exception(e)
-        finally:
-            with _under_way_mutex:
-                began.remove(now)
-                if not began:
-                    _under_way.pop(backend, None)
+    def done() -> None:
+        with _listings.mutex:
+            began.remove(now)
+            if not began:
+                _listings.calls.pop(backend, None)
 
-    threading.Thread(target=run, name=f"dlock-admin:{backend.alias}", daemon=True).start()
-    return future
+    return on_daemon_thread(call, f"dlock-admin:{backend.alias}", done)
 
 
 def lock_id(name: str) -> str:

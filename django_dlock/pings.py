@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
 
 from django.db import connections
 
@@ -22,45 +24,65 @@ from .backends.base import BaseLockBackend
 from .backends.types import ServerStatus
 from .exceptions import BackendUnavailable
 
+T = TypeVar("T")
+
+
+class UnderWay:
+    """Calls under way, per backend, behind one mutex; a forked child forgets them.
+
+    The threads that would end them did not come along into the child.
+    """
+
+    def __init__(self) -> None:
+        self.mutex = threading.Lock()
+        self.calls: dict[BaseLockBackend, Any] = {}
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self.mutex = threading.Lock()
+        self.calls.clear()
+
+
+def on_daemon_thread(call: Callable[[], T], name: str, done: Callable[[], None]) -> Future[T]:
+    """``call()`` on a daemon thread of its own; then ``done()`` there, whatever happened.
+
+    The future is running from the start: a caller that gives up (an asyncio
+    wrapper cancelled) cannot cancel it, so the thread can always set it.
+    """
+    future: Future[T] = Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as e:
+            future.set_exception(e)
+        finally:
+            done()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 #: backend -> (its ping under way, when it started by time.monotonic())
-_in_flight: dict[BaseLockBackend, tuple[Future[ServerStatus], float]] = {}
-_in_flight_mutex = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    """The threads that would settle the pings under way did not come along."""
-    global _in_flight_mutex
-    _in_flight_mutex = threading.Lock()
-    _in_flight.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_pings = UnderWay()
 
 
 def ping_in_thread(backend: BaseLockBackend) -> tuple[Future[ServerStatus], float]:
     """The ping of ``backend`` under way, or a new one on a daemon thread; and when it began."""
-    with _in_flight_mutex:
-        under_way = _in_flight.get(backend)
+    with _pings.mutex:
+        under_way: tuple[Future[ServerStatus], float] | None = _pings.calls.get(backend)
         if under_way is not None:
             return under_way
-        future: Future[ServerStatus] = Future()
-        # Running: a caller that gives up (an asyncio wrapper cancelled) cannot
-        # cancel it, so the thread can always set its result.
-        future.set_running_or_notify_cancel()
-        _in_flight[backend] = under_way = (future, time.monotonic())
 
-    def run() -> None:
-        try:
-            future.set_result(backend.ping())
-        except BaseException as e:
-            future.set_exception(e)
-        finally:
-            with _in_flight_mutex:
-                del _in_flight[backend]
+        def done() -> None:
+            with _pings.mutex:
+                _pings.calls.pop(backend, None)
             if backend.uses_django_connections:
                 connections.close_all()  # this thread's own: it ends here
 
-    threading.Thread(target=run, name=f"dlock-ping:{backend.alias}", daemon=True).start()
+        future = on_daemon_thread(backend.ping, f"dlock-ping:{backend.alias}", done)
+        _pings.calls[backend] = under_way = (future, time.monotonic())
     return under_way
 
 
