@@ -70,8 +70,6 @@ KINDS = {"mutex": "Locks", "semaphore": "Semaphores", "rwlock": "Read/write lock
 SLOT_KINDS = ("semaphore", "rwlock")
 #: Seconds the Locks pages wait for the backends to answer (``LockAdmin.listing_timeout``).
 LISTING_TIMEOUT = 5.0
-#: The admin model's name before it was renamed LockListing; its URL names still work.
-OLD_MODEL_NAME = "lock"
 
 
 @admin.register(LockListing)
@@ -82,8 +80,8 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     confirmation_template = "admin/django_dlock/lock/break_confirmation.html"
 
     # Nothing is added, changed or deleted here; viewing is the view_lock
-    # permission. It kept the codename it had when the model was called Lock,
-    # so ModelAdmin's default check (view_<model name>) would not find it.
+    # permission, which ModelAdmin's default check (view_<model name>, here
+    # view_locklisting) would not find.
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return request.user.has_perm(f"{self.opts.app_label}.view_lock")
 
@@ -102,16 +100,11 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def get_urls(self) -> list[URLPattern]:
         changelist = self.admin_site.admin_view(self.changelist_view)
         break_ = self.admin_site.admin_view(require_POST(self.break_view))
-        urls = []
-        # The names the model had as ``Lock`` (django_dlock_lock_changelist,
-        # django_dlock_lock_break) still reverse, to the new paths.
-        for model_name in (self.opts.model_name, OLD_MODEL_NAME):
-            prefix = f"{self.opts.app_label}_{model_name}"
-            urls += [
-                path("", changelist, name=f"{prefix}_changelist"),
-                path("break/", break_, name=f"{prefix}_break"),
-            ]
-        return urls
+        prefix = f"{self.opts.app_label}_{self.opts.model_name}"
+        return [
+            path("", changelist, name=f"{prefix}_changelist"),
+            path("break/", break_, name=f"{prefix}_break"),
+        ]
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None

@@ -14,8 +14,7 @@ Ids are stable and never reused (docs/checks.md lists them):
 - ``django_dlock.W001``: Redlock over an even number of masters.
 - ``django_dlock.W002``: a locked Celery task's lock TTL is shorter than the
   broker's ``visibility_timeout`` (registered by ``celery.py``).
-- ``django_dlock.W003``: a list ``LOCATION`` on ``RedisBackend`` means
-  Redlock; use ``RedlockBackend``.
+- ``django_dlock.W003``: not used (ids are never reused).
 - ``django_dlock.W004``: a ``LockedSaveMixin`` model (or an inline of one) is
   in an admin whose ``ModelAdmin`` is not a ``LockedModelAdminMixin``: a held
   lock is a 500 there.

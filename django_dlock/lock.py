@@ -20,19 +20,12 @@ from typing import Any, TypeVar, cast
 
 from . import conf
 from ._validation import dump_holder, validate_name, validate_timeout, validate_ttl
-from .handle import TICKET_VERSION, HeldLock, arelease_on_exit, release_on_exit
+from .handle import HeldLock, arelease_on_exit, release_on_exit
 from .handler import locks
 from .keys import KeyTemplate, templated
 from .transactions import release_at_transaction_end
 
-__all__ = [
-    "TICKET_VERSION",
-    "HeldLock",
-    "KeyTemplate",
-    "Lock",
-    "lock",
-    "release_at_transaction_end",
-]
+__all__ = ["Lock", "lock"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -1,8 +1,5 @@
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
 from django.db import models
 
 
@@ -45,9 +42,8 @@ class LockListing(models.Model):
     No table (``managed = False``): the model exists for the admin's app list,
     its content type (admin log entries of breaks point at it) and the two
     permissions: ``django_dlock.view_lock`` to see holders and
-    ``django_dlock.break_lock`` to break a lease. It was called ``Lock``
-    until that clashed with :class:`django_dlock.Lock`; migration 0003
-    renames it, keeping the content type, permissions and log entries.
+    ``django_dlock.break_lock`` to break a lease. The codenames name what
+    they guard, a lock, rather than Django's default ``view_locklisting``.
     """
 
     class Meta:
@@ -62,18 +58,6 @@ class LockListing(models.Model):
 
     def __str__(self) -> str:
         return f"lock {self.pk}"
-
-
-def __getattr__(name: str) -> Any:
-    """``django_dlock.models.Lock``: the admin model's old name, deprecated."""
-    if name == "Lock":
-        warnings.warn(
-            "django_dlock.models.Lock is now LockListing (it clashed with django_dlock.Lock).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return LockListing
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Slot(models.Model):

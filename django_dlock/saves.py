@@ -31,7 +31,6 @@ was broken raises ``LockLost`` from the save.
 from __future__ import annotations
 
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -92,16 +91,6 @@ def instance_lock_name(instance: models.Model, template: str = DEFAULT_KEY) -> s
             f"Cannot lock {type(instance).__name__} by {template!r} before it has a primary key."
         )
     return keys.parse(template).fill(_InstanceValues(instance))
-
-
-def lock_name(instance: models.Model, template: str = DEFAULT_KEY) -> str:
-    """Deprecated alias of :func:`instance_lock_name`."""
-    warnings.warn(
-        "django_dlock.saves.lock_name() is deprecated; use instance_lock_name().",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return instance_lock_name(instance, template)
 
 
 class _Fenced:

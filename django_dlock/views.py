@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import functools
 import math
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any, TypeVar, cast
@@ -71,16 +70,6 @@ def view_lock_name(
             f"Lock key {template.template!r} names {e.args[0]!r}, which is neither a URL "
             f"keyword argument of this view ({sorted(view_kwargs)}) nor user or user_pk."
         ) from None
-
-
-def lock_name(template: str, request: HttpRequest, view_kwargs: Mapping[str, Any]) -> str:
-    """Deprecated alias of :func:`view_lock_name`."""
-    warnings.warn(
-        "django_dlock.views.lock_name() is deprecated; use view_lock_name().",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return view_lock_name(template, request, view_kwargs)
 
 
 def locked_response(

@@ -335,15 +335,13 @@ def test_the_admin_log_shows_breaks(admin_client: Client, name: str) -> None:
     assert name in index.content.decode()  # "Recent actions"
 
 
-def test_the_url_names_from_before_the_rename_still_reverse() -> None:
-    """The admin model was ``Lock`` (URL names django_dlock_lock_*) until 0003."""
-    assert reverse("admin:django_dlock_lock_changelist") == reverse(CHANGELIST)
-    assert reverse("admin:django_dlock_lock_break") == reverse(BREAK)
+def test_the_pages_are_under_the_models_name() -> None:
     assert reverse(CHANGELIST) == "/admin/django_dlock/locklisting/"
+    assert reverse(BREAK) == "/admin/django_dlock/locklisting/break/"
 
 
 @pytest.mark.django_db
-def test_the_rename_keeps_the_content_type_and_its_permissions() -> None:
+def test_the_permissions_are_on_the_models_content_type() -> None:
     codenames = set(
         Permission.objects.filter(
             content_type__app_label="django_dlock", content_type__model="locklisting"

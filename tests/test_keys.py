@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from django.test import RequestFactory
 
-from django_dlock import lock, saves, views
+from django_dlock import lock
 from django_dlock.keys import KeyTemplate
 from django_dlock.saves import instance_lock_name
 from django_dlock.views import lock_view, view_lock_name
@@ -62,13 +62,6 @@ def test_a_decorated_function_must_take_the_named_arguments() -> None:
 
     with pytest.raises(ValueError, match=r"names \['order'\], which .*f\(\) does not take"):
         lock("order:{order}")(f)
-
-
-def test_the_old_lock_name_functions_warn_and_still_work() -> None:
-    with pytest.warns(DeprecationWarning, match="use view_lock_name"):
-        assert views.lock_name("order:{order_id}", _request(), {"order_id": 5}) == "order:5"
-    with pytest.warns(DeprecationWarning, match="use instance_lock_name"):
-        assert saves.lock_name(Document(pk=2, title="x")) == "tests.document:2"
 
 
 @pytest.mark.parametrize(

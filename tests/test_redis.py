@@ -397,49 +397,38 @@ def test_bad_redis_settings_are_check_errors(params: dict[str, Any], mentions: s
     assert mentions in errors[0].msg and "'r'" in errors[0].msg
 
 
-@pytest.mark.parametrize(
-    ("path", "ids"),
-    [(REDLOCK, ["django_dlock.W001"]), (REDIS, ["django_dlock.W001", "django_dlock.W003"])],
-)
-def test_even_redlock_is_a_warning(path: str, ids: list[str]) -> None:
+def test_even_redlock_is_a_warning() -> None:
     setting = {
-        "default": {"BACKEND": path, "LOCATION": ["redis://a", "redis://b"]},
+        "default": {"BACKEND": REDLOCK, "LOCATION": ["redis://a", "redis://b"]},
     }
-    with override_settings(DLOCK_BACKENDS=setting), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # RedisBackend's: tested below
-        assert [e.id for e in check_backends()] == ids
+    with override_settings(DLOCK_BACKENDS=setting):
+        assert [e.id for e in check_backends()] == ["django_dlock.W001"]
 
 
-def test_a_list_location_on_redis_backend_is_deprecated_redlock(
-    redis_servers: dict[str, Any], name: str
-) -> None:
-    """Django's RedisCache reads a list as a primary and replicas; here it was always Redlock."""
-    urls = [s.url for s in redis_servers["redlock"]]
-    with pytest.warns(DeprecationWarning, match="RedlockBackend"):
-        backend = RedisBackend("listed", {"LOCATION": urls})
-    try:
-        assert isinstance(backend, RedlockBackend)
-        [warning] = backend.check()
-        assert warning.id == "django_dlock.W003" and isinstance(warning, checks.Warning)
-        assert "RedlockBackend" in warning.msg and "RedisCache" in (warning.hint or "")
-        # It still behaves as Redlock: the lease is on both running masters.
-        held = backend.acquire(name, timeout=0)
-        lock_key = backend._keys(name).lock
-        assert [raw(s).exists(lock_key) for s in redis_servers["redlock"][:2]] == [1, 1]
-        held.release()
-    finally:
-        backend.close()
+def test_a_list_location_on_redis_backend_is_an_error_naming_redlock_backend() -> None:
+    """Django's RedisCache reads a list as a primary and replicas; Redlock is its own class."""
+    urls = ["redis://127.0.0.1:6379/0", "redis://127.0.0.1:6380/0", "redis://127.0.0.1:6381/0"]
+    with pytest.raises(LockConfigurationError, match="RedlockBackend") as caught:
+        RedisBackend("listed", {"LOCATION": urls})
+    assert caught.value.check_id == "django_dlock.E006"
     setting = {"default": {"BACKEND": REDIS, "LOCATION": urls}}
-    with override_settings(DLOCK_BACKENDS=setting), pytest.warns(DeprecationWarning):
-        assert [e.id for e in check_backends()] == ["django_dlock.W003"]
+    with override_settings(DLOCK_BACKENDS=setting):
+        [error] = check_backends()
+    assert isinstance(error, checks.Error) and error.id == "django_dlock.E006"
+    assert "django_dlock.backends.redis.RedlockBackend" in error.msg
 
 
-def test_redlock_backend_is_not_deprecated(redis_servers: dict[str, Any]) -> None:
+def test_redlock_backend_on_three_masters_passes_the_checks(
+    redis_servers: dict[str, Any],
+) -> None:
     urls = [s.url for s in redis_servers["redlock"]]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         backend = RedlockBackend("listed", {"LOCATION": urls})
-    assert backend.check() == []
+    try:
+        assert backend.check() == []
+    finally:
+        backend.close()
 
 
 @pytest.mark.parametrize("location", ["redis://127.0.0.1:6379/0", ["redis://127.0.0.1:6379/0"]])

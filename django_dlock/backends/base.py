@@ -143,7 +143,6 @@ from .attempts import (
     backoff,
     outage_backoff,
 )
-from .capabilities import RenamedCapabilities
 from .offload import Handoff, Offload, release_unwanted, retrieve_outcome
 from .probe import probe
 from .types import (
@@ -178,7 +177,7 @@ __all__ = [
 logger = logging.getLogger("django_dlock")
 
 
-class BaseLockBackend(RenamedCapabilities):
+class BaseLockBackend:
     """Settings, the blocking loop and the public backend API; see the module docstring."""
 
     #: Are waiters served in the order they first asked? A backend where an

@@ -47,25 +47,23 @@ class AdminTests(TestCase):
         self.client.force_login(admin)
         held = lock("<b>invoice:42</b>").acquire()
         index = self.client.get(reverse("admin:index"))
-        self.assertContains(index, reverse("admin:django_dlock_lock_changelist"))
-        page = self.client.get(reverse("admin:django_dlock_lock_changelist"))
+        self.assertContains(index, reverse("admin:django_dlock_locklisting_changelist"))
+        page = self.client.get(reverse("admin:django_dlock_locklisting_changelist"))
         self.assertContains(page, "&lt;b&gt;invoice:42&lt;/b&gt;")
         self.assertNotContains(page, "<b>invoice:42</b>")
         form = {"backend": "default", "lock": lock_id(held.name), "token": str(held.token)}
         self.assertContains(
-            self.client.post(reverse("admin:django_dlock_lock_break"), form), "Yes, break it"
+            self.client.post(reverse("admin:django_dlock_locklisting_break"), form), "Yes, break it"
         )
         done = self.client.post(
-            reverse("admin:django_dlock_lock_break"), {**form, "confirm": "yes"}
+            reverse("admin:django_dlock_locklisting_break"), {**form, "confirm": "yes"}
         )
-        self.assertRedirects(done, reverse("admin:django_dlock_lock_changelist"))
+        self.assertRedirects(done, reverse("admin:django_dlock_locklisting_changelist"))
         with self.assertRaises(LockLost):
             held.ensure()
         self.assertEqual(LogEntry.objects.get().object_repr, "<b>invoice:42</b>")
 
     def test_the_permissions_exist_and_guard_the_page(self) -> None:
-        # The admin's model is LockListing since issue 17 (it was "Lock", which
-        # clashed with django_dlock.Lock); its permissions kept their codenames.
         codenames = set(
             Permission.objects.filter(
                 content_type__app_label="django_dlock", content_type__model="locklisting"
@@ -74,7 +72,7 @@ class AdminTests(TestCase):
         self.assertEqual(codenames, {"view_lock", "break_lock"})
         staff = User.objects.create_user("staff", password="pw", is_staff=True)
         self.client.force_login(staff)
-        url = reverse("admin:django_dlock_lock_changelist")
+        url = reverse("admin:django_dlock_locklisting_changelist")
         self.assertEqual(self.client.get(url).status_code, 403)
         staff.user_permissions.add(Permission.objects.get(codename="view_lock"))
         self.assertEqual(self.client.get(url).status_code, 200)

@@ -8,8 +8,8 @@ Settings::
 
 ``django_dlock.backends.redis.RedlockBackend`` takes a list of URLs of
 independent masters instead: Redlock (see ``docs/backends/redis.md`` for what
-that does and does not guarantee). A list on ``RedisBackend`` still means
-Redlock, with a DeprecationWarning and check W003. ``OPTIONS``:
+that does and does not guarantee); a list on ``RedisBackend`` is a settings
+error (E006). ``OPTIONS``:
 
 - ``fair``: serve waiters first come, first served (default False; not Redlock).
 - ``cluster``: ``LOCATION`` is a node of a Redis Cluster (default False; not Redlock).

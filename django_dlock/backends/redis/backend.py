@@ -12,7 +12,6 @@ import os
 import secrets
 import threading
 import time
-import warnings
 import weakref
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -131,11 +130,6 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
     #: How often a command is resent after its connection failed.
     retries: ClassVar[int] = 1
     node_class: ClassVar[type[Node]] = Node
-    #: The class a list of several LOCATIONs builds (deprecated: Redlock). A
-    #: subclass declares itself with ``class ...(RedisBackend, reads_a_list=True)``.
-    _list_class: ClassVar[type[RedisBackend] | None] = None
-    #: Built from a list LOCATION on RedisBackend (deprecated; check W003).
-    configured_as_redis_backend: bool = False
     allowed_options = frozenset(
         {
             "fair",
@@ -147,26 +141,6 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
             "client_kwargs",
         }
     )
-
-    def __init_subclass__(cls, reads_a_list: bool = False, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if reads_a_list:
-            RedisBackend._list_class = cls
-
-    def __new__(cls, alias: str, params: Mapping[str, Any]) -> RedisBackend:
-        if cls is RedisBackend and _several(params.get("LOCATION")) and cls._list_class:
-            # Django's RedisCache reads a list as a primary and its replicas;
-            # here it has always meant Redlock over independent masters.
-            warnings.warn(
-                f"Lock backend {alias!r}: a list LOCATION on RedisBackend means Redlock over "
-                "independent masters; use django_dlock.backends.redis.RedlockBackend.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            backend = super().__new__(cls._list_class)
-            backend.configured_as_redis_backend = True
-            return backend
-        return super().__new__(cls)
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         super().__init__(alias, params)
@@ -236,8 +210,10 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
             check_url(self.alias, url, cluster=self.cluster, native_async=self.native_async)
         if len(locations) > 1 and not self.redlock:
             raise self.config_error(
-                "a list of several LOCATIONs is Redlock over independent masters; use "
-                "django_dlock.backends.redis.RedlockBackend."
+                "RedisBackend takes one LOCATION, not a list of several. For Redlock over "
+                "independent masters, set BACKEND to "
+                "'django_dlock.backends.redis.RedlockBackend' (a list is not a primary and "
+                "its replicas, as Django's RedisCache reads it)."
             )
         return locations
 
@@ -579,15 +555,6 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
         """A BLPOP returned: in fair mode, what it popped is the hand-over."""
         if popped and attempt.queued_at is not None:
             attempt.handed = handed_over(attempt.queued_at, text(popped[1]))
-
-
-def _several(location: Any) -> bool:
-    """Whether ``location`` is a list of more than one URL (Redlock's shape)."""
-    return (
-        isinstance(location, Sequence)
-        and not isinstance(location, (str, bytes))
-        and len(location) > 1
-    )
 
 
 _backends: weakref.WeakSet[RedisBackend] = weakref.WeakSet()

@@ -133,7 +133,7 @@ class Master(Node):
             self._pool.shutdown(wait=False)
 
 
-class RedlockBackend(RedisBackend, reads_a_list=True):
+class RedlockBackend(RedisBackend):
     """Redlock over the independent masters listed in ``LOCATION``."""
 
     @property
@@ -188,17 +188,6 @@ class RedlockBackend(RedisBackend, reads_a_list=True):
                     f"Lock backend {self.alias!r}: Redlock over an even number of masters "
                     f"({len(self.locations)}) tolerates no more failures than one fewer.",
                     id="django_dlock.W001",
-                )
-            )
-        if self.configured_as_redis_backend:
-            messages.append(
-                checks.Warning(
-                    f"Lock backend {self.alias!r}: a list LOCATION on RedisBackend means "
-                    "Redlock over independent masters; use RedlockBackend.",
-                    hint="Set BACKEND to 'django_dlock.backends.redis.RedlockBackend'. Note "
-                    "that Django's RedisCache reads a list LOCATION as a primary and its "
-                    "replicas, which Redlock's masters are not.",
-                    id="django_dlock.W003",
                 )
             )
         return messages
