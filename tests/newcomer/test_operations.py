@@ -53,7 +53,8 @@ class AdminTests(TestCase):
         self.assertNotContains(page, "<b>invoice:42</b>")
         form = {"backend": "default", "lock": lock_id(held.name), "token": str(held.token)}
         self.assertContains(
-            self.client.post(reverse("admin:django_dlock_locklisting_break"), form), "Yes, break it"
+            self.client.post(reverse("admin:django_dlock_locklisting_break"), form),
+            "Yes, break it",
         )
         done = self.client.post(
             reverse("admin:django_dlock_locklisting_break"), {**form, "confirm": "yes"}
