@@ -76,8 +76,8 @@ LISTING_TIMEOUT = 5.0
 class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     #: Seconds the pages wait for the backends' answers (all at once, each on a thread).
     listing_timeout = LISTING_TIMEOUT
-    holders_template = "admin/django_dlock/lock/holders.html"
-    confirmation_template = "admin/django_dlock/lock/break_confirmation.html"
+    holders_template = "admin/django_dlock/locklisting/holders.html"
+    confirmation_template = "admin/django_dlock/locklisting/break_confirmation.html"
 
     # Nothing is added, changed or deleted here; viewing is the view_lock
     # permission, which ModelAdmin's default check (view_<model name>, here
