@@ -206,15 +206,15 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
             locations = list(location)
         else:
             raise self.config_error("LOCATION must be a redis:// URL or a list of them (Redlock).")
-        for url in locations:
-            check_url(self.alias, url, cluster=self.cluster, native_async=self.native_async)
         if len(locations) > 1 and not self.redlock:
             raise self.config_error(
                 "RedisBackend takes one LOCATION, not a list of several. For Redlock over "
                 "independent masters, set BACKEND to "
-                "'django_dlock.backends.redis.RedlockBackend' (a list is not a primary and "
-                "its replicas, as Django's RedisCache reads it)."
+                "'django_dlock.backends.redis.RedlockBackend' (Django's RedisCache reads "
+                "such a list as a primary and its replicas; no lock backend does)."
             )
+        for url in locations:
+            check_url(self.alias, url, cluster=self.cluster, native_async=self.native_async)
         return locations
 
     def check(self) -> list[checks.CheckMessage]:
