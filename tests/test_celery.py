@@ -422,7 +422,7 @@ def test_a_parked_call_keeps_what_celerys_json_carries() -> None:
 
     from kombu.utils.json import loads
 
-    from django_dlock.parking import park_payload
+    from django_dlock.celery.parking import park_payload
 
     args = (
         datetime.datetime(2026, 11, 23, 12, 0),
