@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 from asgiref.sync import async_to_sync
 from django.conf import settings
+from django.core import checks
 from django.db import transaction
 from django.test import override_settings
 
@@ -126,6 +127,17 @@ def test_celery_autodiscovery_imports_no_module_of_ours() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "[]\n"
+
+
+def test_limit_on_a_backend_without_semaphores_is_a_check_error_at_startup() -> None:
+    """tests.framework_tasks.limited has limit=2 on "locmem"; on Redlock that cannot run."""
+    assert [m for m in checks.run_checks() if m.id == "django_dlock.E010"] == []
+    redlock = {**settings.DLOCK_BACKENDS, "locmem": settings.DLOCK_BACKENDS["redlock"]}
+    with override_settings(DLOCK_BACKENDS=redlock):
+        found = [m for m in checks.run_checks() if m.id == "django_dlock.E010"]
+    [message] = [m for m in found if m.obj == "tests.framework_tasks.limited"]
+    assert message.is_serious()
+    assert "limit=2" in message.msg and "'locmem'" in message.msg and "semaphores" in message.msg
 
 
 @pytest.mark.django_db
