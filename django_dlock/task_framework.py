@@ -72,9 +72,9 @@ from .handle import HeldLock
 from .handler import locks
 from .keys import KeyTemplate
 from .task_policy import (
+    PolicyMixin,
     TaskLockOptions,
     TaskPolicy,
-    call_key,
     caller_template,
     lock_options_given,
     parse_common,
@@ -186,7 +186,7 @@ def current_lock() -> HeldLock | None:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
+class LockedTask(Task, PolicyMixin):  # type: ignore[type-arg,unused-ignore]
     """A task that runs each distinct call at most once at a time (see the module docstring).
 
     ``lock_options`` and ``key_template`` are dataclass fields, so ``using()``
@@ -201,18 +201,10 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
             return self.key_template
         return caller_template(self.lock_options.key, self.func, self.takes_context)
 
-    def lock_key(self, args: Any = (), kwargs: Mapping[str, Any] | None = None) -> str:
-        """The lock name for a call with ``args`` and ``kwargs`` (no context argument)."""
-        return call_key(self._template(), self.module_path, args, kwargs)
-
-    def lock_pattern(self) -> str:
-        """What metrics label this task's locks by: its key template, else ``"<task path>:*"``."""
-        return self.policy.template
-
     @property
     def policy(self) -> TaskPolicy:
         """This task's lock policy (:mod:`django_dlock.task_policy`)."""
-        return TaskPolicy(self, self.module_path, self.lock_options, logger)
+        return TaskPolicy(self, self.module_path, self.lock_options, logger, self._template())
 
     # --- running ----------------------------------------------------------------------
 

@@ -239,13 +239,19 @@ class TaskPolicy:
 
     ``task`` is the adapter's task object (sent with ``task_skipped``),
     ``name`` what logs and the holder metadata call it, ``logger`` the
-    adapter's.
+    adapter's, ``key_template`` the key over the arguments callers pass
+    (:func:`caller_template`).
     """
 
     task: Any
     name: str
     options: TaskLockOptions
     logger: logging.Logger
+    key_template: KeyTemplate
+
+    def key(self, args: Any, kwargs: Any) -> str:
+        """The lock name of a call with ``args`` and ``kwargs``, as callers pass them."""
+        return call_key(self.key_template, self.name, args, kwargs)
 
     @property
     def template(self) -> str:
@@ -367,6 +373,28 @@ class TaskPolicy:
             self.logger.warning(
                 "Could not release the queue lease %r", ticket.get("name"), exc_info=True
             )
+
+
+class PolicyMixin:
+    """What both adapters' ``LockedTask`` answer from their :class:`TaskPolicy`.
+
+    A subclass says what its ``policy`` is.
+    """
+
+    __slots__ = ()
+
+    @property
+    def policy(self) -> TaskPolicy:
+        """This task's lock policy."""
+        raise NotImplementedError
+
+    def lock_key(self, args: Any = (), kwargs: Mapping[str, Any] | None = None) -> str:
+        """The lock name for a call with ``args`` and ``kwargs`` (as callers pass them)."""
+        return self.policy.key(args, kwargs)
+
+    def lock_pattern(self) -> str:
+        """What metrics label this task's locks by: its key template, else ``"<name>:*"``."""
+        return self.policy.template
 
 
 def skipped_by(

@@ -405,7 +405,7 @@ def test_limit_and_defer_on_a_backend_without_them_are_check_errors_at_startup()
 
 def test_park_and_unpark_refuse_a_backend_without_a_parking_queue() -> None:
     with on_redlock():
-        with pytest.raises(NoParking, match="'celery'.*no parking queue") as raised:
+        with pytest.raises(NoParking, match=r"'celery'.*no parking queue") as raised:
             park("celery", "parked:x", "task-1", 1, "{}")
         assert raised.value.alias == "celery"
         assert raised.value.check_id == "django_dlock.E011"

@@ -115,7 +115,8 @@ def test_celery_autodiscovery_imports_no_module_of_ours() -> None:
         "from testproject.celery import app\n"
         "app.autodiscover_tasks(force=True)\n"
         "assert importlib.util.find_spec('django_dlock.tasks') is None\n"
-        "print([m for m in sys.modules if m.startswith('django_dlock.') and m.endswith('.tasks')])\n"
+        "print([m for m in sys.modules if m.startswith('django_dlock')"
+        " and m.endswith('.tasks')])\n"
     )
     env = {
         **os.environ,

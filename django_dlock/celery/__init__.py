@@ -72,9 +72,9 @@ from ..handler import locks
 from ..keys import KeyTemplate
 from ..signals import task_deferred
 from ..task_policy import (
+    PolicyMixin,
     TaskLockOptions,
     TaskPolicy,
-    call_key,
     caller_template,
     lock_options_given,
     parse_common,
@@ -184,7 +184,7 @@ class _CurrentLock:
         return None
 
 
-class LockedTask(Task):  # type: ignore[misc]
+class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
     """A Celery task base that runs each distinct call at most once at a time.
 
     Configure it with ``lock={...}`` (see the module docstring), as a class
@@ -221,18 +221,10 @@ class LockedTask(Task):  # type: ignore[misc]
             cls._key_template = template
         return template
 
-    def lock_key(self, args: Any = (), kwargs: Mapping[str, Any] | None = None) -> str:
-        """The lock name for a call with ``args`` and ``kwargs``."""
-        return call_key(self._template(), self.name, args, kwargs)
-
-    def lock_pattern(self) -> str:
-        """What metrics label this task's locks by: its key template, else ``"<task name>:*"``."""
-        return self.policy.template
-
     @property
     def policy(self) -> TaskPolicy:
         """This task's lock policy (:mod:`django_dlock.task_policy`)."""
-        return TaskPolicy(self, self.name, self.lock_options, logger)
+        return TaskPolicy(self, self.name, self.lock_options, logger, self._template())
 
     # --- running ----------------------------------------------------------------------
 
