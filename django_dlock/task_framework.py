@@ -375,8 +375,7 @@ def locked_task(function: Callable[..., Any] | None = None, /, **options: Any) -
             "queue_name": DEFAULT_TASK_QUEUE_NAME,
             **options,
         }
-        _defined[name] = parsed
-        return LockedTask(
+        task = LockedTask(
             func=func,
             backend=task_backend,
             run_after=None,
@@ -384,6 +383,8 @@ def locked_task(function: Callable[..., Any] | None = None, /, **options: Any) -
             key_template=template,
             **task_options,
         )
+        _defined[name] = parsed
+        return task
 
     if function is not None:
         if not callable(function):
