@@ -11,6 +11,9 @@ Ids are stable and never reused (docs/checks.md lists them):
 - ``django_dlock.E007``: the database backend is used but ``django_dlock`` is not installed.
 - ``django_dlock.E008``: the database backend's database is missing or unsupported.
 - ``django_dlock.E009``: ``DLOCK_METRICS_TOKEN`` is set but not a non-empty str.
+- ``django_dlock.E010``: a locked task with ``limit`` on a backend without semaphores.
+- ``django_dlock.E011``: a locked Celery task with ``on_locked="defer"`` on a
+  backend without a parking queue.
 - ``django_dlock.W001``: Redlock over an even number of masters.
 - ``django_dlock.W002``: a locked Celery task's lock TTL is shorter than the
   broker's ``visibility_timeout`` (registered by ``celery.py``).
@@ -23,6 +26,7 @@ Ids are stable and never reused (docs/checks.md lists them):
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable, Iterator
 from importlib import import_module
 from typing import Any
@@ -33,7 +37,7 @@ from django.core import checks
 
 from . import conf
 from .exceptions import LockConfigurationError
-from .handler import backend_class, validate_backends_setting
+from .handler import backend_class, locks, validate_backends_setting
 from .saves import LockedSaveMixin
 
 
@@ -77,6 +81,57 @@ def backend_messages() -> Iterator[tuple[str | None, checks.CheckMessage]]:
             ]
         for message in found:
             yield alias, message
+
+
+@checks.register()
+def check_locked_tasks(
+    app_configs: Iterable[AppConfig] | None = None, **kwargs: Any
+) -> Iterator[checks.CheckMessage]:
+    """django_dlock.E010 and E011: a locked task that needs a part its lock backend lacks.
+
+    ``limit`` needs semaphores (``supports_semaphores``), Celery's
+    ``on_locked="defer"`` a parking queue (``supports_parking``). Without
+    them every call would fail in the worker; here they fail at startup.
+    The tasks are those of the current Celery app (once Celery is imported:
+    listing them imports the apps' ``tasks`` modules) and the task
+    framework's tasks defined so far (in the modules imported by now).
+    """
+    if "celery" in sys.modules:  # the app's tasks may import our adapter only when listed
+        with contextlib.suppress(ImportError):
+            import_module("django_dlock.celery")
+    for adapter in ("django_dlock.celery", "django_dlock.task_framework"):
+        module = sys.modules.get(adapter)
+        if module is None:
+            continue
+        for name, options in module.locked_tasks():
+            yield from _missing_parts(name, options)
+
+
+def _missing_parts(task: str, options: Any) -> Iterator[checks.CheckMessage]:
+    try:
+        backend = locks[options.backend]
+    except Exception:
+        return  # an unknown or broken alias: check_backends reports DLOCK_BACKENDS
+    where = f"lock backend {options.backend!r} ({backend.path})"
+    if options.limit is not None and not backend.supports_semaphores:
+        yield checks.Error(
+            f"Locked task {task!r} has limit={options.limit}, but {where} has no "
+            "semaphores: every call would fail in the worker.",
+            hint="Lock it on a backend with semaphores, or drop limit to run one at a time.",
+            obj=task,
+            id="django_dlock.E010",
+        )
+    if options.on_locked == "defer":
+        from .celery.parking import has_parking
+
+        if not has_parking(backend):
+            yield checks.Error(
+                f"Locked task {task!r} has on_locked='defer', but {where} has no parking "
+                "queue: every deferred call would fail in the worker.",
+                hint="Lock it on a backend with a parking queue, or use another on_locked.",
+                obj=task,
+                id="django_dlock.E011",
+            )
 
 
 @checks.register(checks.Tags.security)

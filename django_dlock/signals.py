@@ -31,7 +31,7 @@ A handle's ``template`` attribute is the key template its name was made from
 (by ``@lock``, ``@locked_task`` or a guarded view), or None: what
 ``django_dlock.contrib.prometheus`` labels its metrics by instead of the name.
 
-``task_skipped`` is sent by ``django_dlock.celery`` and ``django_dlock.tasks``
+``task_skipped`` is sent by ``django_dlock.celery`` and ``django_dlock.task_framework``
 (Django's task framework) when a locked task call is skipped because its lock
 is held (``on_locked="skip"``), with ``sender`` = the task class and ``task``
 (the task), ``task_id``, ``name`` (the lock key), ``backend``, ``scope``

@@ -1,7 +1,55 @@
-"""``@locked_task`` for Django's task framework: the implementation behind ``django_dlock.tasks``.
+"""Django's task framework: ``@locked_task`` stops the same work from running twice.
 
-Imported by ``django_dlock.tasks`` only once the framework is known to be
-installed; see that module for the options and the queue-scope lifecycle.
+The only module of django-dlock that imports the task framework: Django's own
+``django.tasks`` (Django 6.0 and later) or, on Django 4.2-5.2, the
+``django-tasks`` package (``django_tasks``), which has the same API. The task
+it makes is a :class:`LockedTask`, a subclass of the framework's ``Task``, so
+``enqueue()``, ``using()``, ``get_result()`` and every backend work as usual.
+Lock options (``docs/django-tasks.md`` has the table):
+
+``key``
+    A template over the task's arguments, ``"sync:{account_id}"``. The
+    default is the task's module path and a hash of all its arguments.
+``ttl``
+    Lease length; the watchdog renews it while the body runs.
+``backend``
+    The ``DLOCK_BACKENDS`` alias. The *task* backend (``TASKS`` alias), which
+    shares the name in ``@task``, is passed as ``task_backend=``.
+``on_locked``
+    What a call does when its lock is held: ``"skip"`` (log, send
+    ``task_skipped``, return None), ``"raise"`` (``LockTimeout``) or
+    ``"wait"`` (up to ``timeout`` seconds). Celery's ``"retry"`` and
+    ``"defer"`` are refused where the task is defined: the task framework
+    has no retry, and deferred calls are parked and sent again through
+    Celery.
+``limit``
+    Run at most ``limit`` bodies per key at once (a semaphore) instead of one.
+``scope``
+    ``"run"``: the lock is held while the body runs. ``"queue"``: it is taken
+    in ``enqueue()``, so a duplicate is not even enqueued (``enqueue()``
+    returns None), travels with the task as a ticket (``HeldLock.detach()``)
+    in its keyword arguments, and is adopted by the worker that runs it and
+    released when the run ends.
+
+The queue-scope lifecycle, walked through in time:
+
+    t0  enqueue() takes "sync:7" for ttl seconds (plus the wait until
+        ``run_after``), not renewed, detaches it and enqueues the call with
+        the ticket as the keyword argument ``TICKET_KWARG``. If enqueueing
+        fails, the lease is released before the error propagates.
+    t1  A worker runs the call: the ticket is taken out of the keyword
+        arguments, and the lease adopted and renewed while the body runs.
+        ``current_lock().token`` is its fencing token.
+    t2  The body returns or raises: the lease is released.
+    --  A call that never runs (its worker is down, the result row deleted)
+        renews nothing, so its lease runs out after ttl: then a duplicate
+        may be enqueued. A call that runs after its lease ran out (or was
+        broken) acquires the lock as ``on_locked`` says instead.
+
+The lock policy itself (keys, ``on_locked``, tickets, the skip signal) is
+:mod:`django_dlock.task_policy`, shared with the Celery adapter. Importing
+this module without the framework raises an ``ImportError`` that says what
+to install.
 """
 
 from __future__ import annotations
@@ -9,36 +57,44 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, cast
 
 from asgiref.sync import sync_to_async
 from django.db import connections
 from django.utils import timezone as dj_timezone
 
-from . import keys
-from .exceptions import LockLost, LockTimeout
 from .handle import HeldLock
 from .handler import locks
 from .keys import KeyTemplate
-from .signals import task_skipped
-from .task_options import (
-    MalformedTicket,
+from .task_policy import (
+    PolicyMixin,
     TaskLockOptions,
-    adopt_ticket,
-    call_key,
+    TaskPolicy,
+    caller_template,
+    lock_options_given,
     parse_common,
-    skipped_by,
+    seconds_until,
 )
 from .transactions import on_rollback
 
 try:
-    from django.tasks import task_backends
+    try:
+        from django.tasks import task_backends
+    except ImportError:  # Django before 6: the django-tasks package
+        from django_tasks import task_backends  # type: ignore[no-redef,assignment,unused-ignore]
+except ImportError as e:
+    raise ImportError(
+        "django_dlock.task_framework needs Django's task framework: Django 6.0 or later "
+        "(django.tasks), or the django-tasks package on Django 4.2-5.2 "
+        "(pip install 'django-dlock[tasks]')."
+    ) from e
+
+try:
     from django.tasks.base import (
         DEFAULT_TASK_BACKEND_ALIAS,
         DEFAULT_TASK_PRIORITY,
@@ -48,8 +104,7 @@ try:
     )
     from django.tasks.signals import task_finished, task_started
     from django.utils.json import normalize_json
-except ImportError:  # Django before 6: the django-tasks package (tasks.py checked it is there)
-    from django_tasks import task_backends  # type: ignore[no-redef,assignment,unused-ignore]
+except ImportError:  # Django before 6: the django-tasks package
     from django_tasks.base import (  # type: ignore[no-redef,assignment,unused-ignore]
         DEFAULT_TASK_BACKEND_ALIAS,
         DEFAULT_TASK_PRIORITY,
@@ -65,7 +120,7 @@ except ImportError:  # Django before 6: the django-tasks package (tasks.py check
 
 __all__ = ["TICKET_KWARG", "LockOptions", "LockedTask", "current_lock", "locked_task"]
 
-logger = logging.getLogger("django_dlock.tasks")
+logger = logging.getLogger("django_dlock.task_framework")
 
 #: The keyword argument that carries a queue-scope lease's ticket to the worker.
 TICKET_KWARG = "django_dlock_ticket"
@@ -107,6 +162,15 @@ class LockOptions(TaskLockOptions):
         return cls(**common)
 
 
+# The lock options of each task ``locked_task`` made, by name, for the system checks.
+_defined: dict[str, LockOptions] = {}
+
+
+def locked_tasks() -> Iterator[tuple[str, LockOptions]]:
+    """The locked tasks defined so far (in modules imported by now) and their options."""
+    yield from sorted(_defined.items())
+
+
 def leases_here() -> tuple[HeldLock, ...]:
     """The leases of the locked tasks running in this context, innermost first."""
     return tuple(reversed(_running.get()))
@@ -121,18 +185,8 @@ def current_lock() -> HeldLock | None:
     return running[-1] if running else None
 
 
-def _caller_template(
-    key: str | None, func: Callable[..., Any], takes_context: bool
-) -> KeyTemplate:
-    """``key`` over the arguments callers pass: a ``context`` first parameter is dropped."""
-    signature = inspect.signature(func)
-    if takes_context:
-        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
-    return KeyTemplate(key or "", signature, func.__qualname__)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
+class LockedTask(Task, PolicyMixin):  # type: ignore[type-arg,unused-ignore]
     """A task that runs each distinct call at most once at a time (see the module docstring).
 
     ``lock_options`` and ``key_template`` are dataclass fields, so ``using()``
@@ -145,11 +199,12 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
     def _template(self) -> KeyTemplate:
         if self.key_template is not None:
             return self.key_template
-        return _caller_template(self.lock_options.key, self.func, self.takes_context)
+        return caller_template(self.lock_options.key, self.func, self.takes_context)
 
-    def lock_key(self, args: Any = (), kwargs: Mapping[str, Any] | None = None) -> str:
-        """The lock name for a call with ``args`` and ``kwargs`` (no context argument)."""
-        return call_key(self._template(), self.module_path, args, kwargs)
+    @property
+    def policy(self) -> TaskPolicy:
+        """This task's lock policy (:mod:`django_dlock.task_policy`)."""
+        return TaskPolicy(self, self.module_path, self.lock_options, logger, self._template())
 
     # --- running ----------------------------------------------------------------------
 
@@ -206,7 +261,7 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
         key = self.lock_key(call_args, kwargs)
         held = None
         if isinstance(ticket, Mapping) and self.lock_options.scope == "queue":
-            held = self._adopt(ticket, key)
+            held = self.policy.adopt(ticket, key)
         elif ticket is not None:
             logger.warning("Ignoring a lock ticket given to %s (run scope).", self.module_path)
         if held is None:
@@ -225,34 +280,6 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
             return None
         return getattr(result, "id", None)
 
-    def _adopt(self, ticket: Mapping[str, Any], key: str) -> HeldLock | None:
-        if ticket.get("name") != key:
-            # Not this call's lease: a ticket passed by hand, maybe copied from
-            # another call's result. Releasing it would end that call's lease.
-            logger.warning(
-                "Ignoring the lock ticket of %s: it names %r, not this call's %r.",
-                self.module_path, ticket.get("name"), key,
-            )  # fmt: skip
-            return None
-        try:
-            return adopt_ticket(
-                ticket, self.lock_options.backend, self.lock_options.ttl, self.lock_pattern()
-            )
-        except LockLost:
-            logger.info(
-                "The queue lease of %s on %r ran out, was broken or was adopted by another "
-                "run; acquiring it as on_locked says.",
-                self.module_path,
-                ticket.get("name"),
-            )
-        except MalformedTicket as e:
-            logger.warning("Ignoring a malformed lock ticket on %s: %s", self.module_path, e)
-        return None
-
-    def lock_pattern(self) -> str:
-        """What metrics label this task's locks by: its key template, else ``"<task path>:*"``."""
-        return self.lock_options.key or f"{self.module_path}:*"
-
     def _acquire(
         self, key: str, ttl: float | None, renew: bool, task_id: str | None, args: Any, kwargs: Any
     ) -> HeldLock | None:
@@ -260,43 +287,15 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
 
         None: the call is skipped.
         """
-        options = self.lock_options
-        scope = "run" if renew else "queue"
-        metadata = {
-            "task_id": task_id,
-            "task_name": self.module_path,
-            "worker": _worker_id(task_id),
-            "scope": scope,
-        }
-        try:
-            with keys.templated(self.lock_pattern()):
-                return self._acquire_on(key, ttl, renew, metadata)
-        except LockTimeout:
-            if options.on_locked != "skip":
-                raise
-        holder = skipped_by(options.backend, key, options.limit)
-        logger.info(
-            "Skipped %s[%s]: lock %r on %r is held by %r (%s scope).",
-            self.module_path, task_id, key, options.backend, holder, scope,
-        )  # fmt: skip
-        task_skipped.send(
-            sender=type(self), task=self, task_id=task_id, name=key, backend=options.backend,
-            scope=scope, args=args, kwargs=kwargs, template=self.lock_pattern(), holder=holder,
-        )  # fmt: skip
-        return None
-
-    def _acquire_on(
-        self, key: str, ttl: float | None, renew: bool, metadata: dict[str, Any]
-    ) -> HeldLock:
-        options = self.lock_options
-        held: HeldLock = options.target().acquire(
+        return self.policy.acquire(
             key,
             ttl=ttl,
-            timeout=options.timeout if options.on_locked == "wait" else 0,
-            metadata=metadata,
             renew=renew,
+            task_id=task_id,
+            worker=_worker_id(task_id),
+            args=args,
+            kwargs=kwargs,
         )
-        return held
 
     # --- enqueueing -------------------------------------------------------------------
 
@@ -322,12 +321,12 @@ class LockedTask(Task):  # type: ignore[type-arg,unused-ignore]
         try:
             result = Task.enqueue(self, *args, **kwargs, **{TICKET_KWARG: ticket})
         except BaseException:
-            _release_ticket(ticket)
+            self.policy.release_ticket(ticket)
             raise
         # Enqueued inside atomic(): a task backend that stores tasks in the
         # database (django-tasks-db) loses the task if it rolls back, and the
         # lease must go with it, or every retry is skipped until it runs out.
-        _release_on_rollback(ticket)
+        _release_on_rollback(self.policy, ticket)
         return result
 
     async def aenqueue(self, *args: Any, **kwargs: Any) -> Any:
@@ -348,15 +347,7 @@ def locked_task(function: Callable[..., Any] | None = None, /, **options: Any) -
     shares the name in ``@task``, is passed as ``task_backend=``. ``priority``, ``queue_name`` and
     ``takes_context`` pass through. Works bare (``@locked_task``).
     """
-    given = options.pop("lock", None) or {}
-    if not isinstance(given, Mapping):
-        raise TypeError(f"lock options must be a dict, not {type(given).__name__}.")
-    lock = dict(given)
-    for name in LockOptions.__dataclass_fields__:
-        if name in options:
-            if name in lock:
-                raise TypeError(f"Lock option {name!r} is given twice.")
-            lock[name] = options.pop(name)
+    lock = lock_options_given(options, LockOptions.__dataclass_fields__)
     task_backend = options.pop("task_backend", DEFAULT_TASK_BACKEND_ALIAS)
     passed = {"priority", "queue_name", "takes_context"}
     unknown = sorted(set(options) - passed)
@@ -372,7 +363,7 @@ def locked_task(function: Callable[..., Any] | None = None, /, **options: Any) -
         parsed = LockOptions.parse(lock, name)
         takes_context = bool(options.get("takes_context", False))
         # Fail where the task is defined, not when it first runs.
-        template = _caller_template(parsed.key, func, takes_context)
+        template = caller_template(parsed.key, func, takes_context)
         task_class = task_backends[task_backend].task_class
         if not issubclass(LockedTask, task_class):
             raise TypeError(
@@ -384,7 +375,7 @@ def locked_task(function: Callable[..., Any] | None = None, /, **options: Any) -
             "queue_name": DEFAULT_TASK_QUEUE_NAME,
             **options,
         }
-        return LockedTask(
+        task = LockedTask(
             func=func,
             backend=task_backend,
             run_after=None,
@@ -392,19 +383,14 @@ def locked_task(function: Callable[..., Any] | None = None, /, **options: Any) -
             key_template=template,
             **task_options,
         )
+        _defined[name] = parsed
+        return task
 
     if function is not None:
         if not callable(function):
             raise TypeError("locked_task takes keyword options only: @locked_task(key=...).")
         return create(function)
     return create
-
-
-def _release_ticket(ticket: Mapping[str, Any]) -> None:
-    try:
-        locks[ticket["backend"]].release_ticket(ticket)
-    except Exception:
-        logger.warning("Could not release the queue lease %r", ticket.get("name"), exc_info=True)
 
 
 def _release_unwanted(entering: concurrent.futures.Future[HeldLock | None]) -> None:
@@ -416,7 +402,7 @@ def _release_unwanted(entering: concurrent.futures.Future[HeldLock | None]) -> N
         held.release_quietly()
 
 
-def _release_on_rollback(ticket: Mapping[str, Any]) -> None:
+def _release_on_rollback(policy: TaskPolicy, ticket: Mapping[str, Any]) -> None:
     """Release the queue lease of ``ticket`` if an open transaction rolls back.
 
     Also if an ``on_commit`` hook registered before this one raises: Django
@@ -430,7 +416,7 @@ def _release_on_rollback(ticket: Mapping[str, Any]) -> None:
     """
     backend = locks[ticket["backend"]]
     for connection in connections.all(initialized_only=True):
-        on_rollback(backend, functools.partial(_release_ticket, ticket), connection.alias)
+        on_rollback(backend, functools.partial(policy.release_ticket, ticket), connection.alias)
 
 
 def _delay(run_after: datetime | None) -> float:
@@ -442,11 +428,7 @@ def _delay(run_after: datetime | None) -> float:
     they store it as is and compare it with the local ``timezone.now()``.
     (With ``USE_TZ=True`` the framework refuses a naive one before this.)
     """
-    if run_after is None:
-        return 0.0
-    if dj_timezone.is_naive(run_after):
-        run_after = dj_timezone.make_aware(run_after, dj_timezone.get_current_timezone())
-    return max((run_after - datetime.now(timezone.utc)).total_seconds(), 0.0)
+    return seconds_until(run_after, dj_timezone.get_current_timezone())
 
 
 def _worker_id(task_id: str | None) -> str | None:
@@ -467,5 +449,5 @@ def _forget_started(sender: Any, task_result: TaskResult, **kwargs: Any) -> None
     _started.set(None)
 
 
-task_started.connect(_remember_started, dispatch_uid="django_dlock.tasks.started")
-task_finished.connect(_forget_started, dispatch_uid="django_dlock.tasks.finished")
+task_started.connect(_remember_started, dispatch_uid="django_dlock.task_framework.started")
+task_finished.connect(_forget_started, dispatch_uid="django_dlock.task_framework.finished")

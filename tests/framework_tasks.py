@@ -15,7 +15,7 @@ from typing import Any
 from django.conf import settings
 from django.utils.module_loading import import_string
 
-from django_dlock.tasks import current_lock, locked_task
+from django_dlock.task_framework import current_lock, locked_task
 from tests.tasks import record, wait_for_file
 
 

@@ -212,7 +212,7 @@ CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", "cache+memory://
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("DLOCK_TEST_CELERY_QUEUE", "dlock-tests")
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
-# Django's task framework (django_dlock.tasks): Django 6's django.tasks, or the
+# Django's task framework (django_dlock.task_framework): Django 6's django.tasks, or the
 # django-tasks package before it. "default" runs each task at once, in
 # enqueue(); "db" is django-tasks-db's queue, which tests/test_django_tasks.py
 # runs with real `db_worker` processes.

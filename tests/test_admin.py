@@ -21,7 +21,7 @@ from django.urls import reverse
 from django_dlock import HeldLock, Lock, LockLost, LockNotOwned, lock, locks, rwlock, semaphore
 from django_dlock.admin import lock_id
 from django_dlock.backends.base import BaseLockBackend
-from django_dlock.parking import park_payload
+from django_dlock.celery.parking import park_payload
 from django_dlock.signals import lock_broken
 from tests.servers import free_port
 

@@ -18,12 +18,14 @@ from zoneinfo import ZoneInfo
 import pytest
 from celery import Celery
 from celery.signals import task_revoked
+from django.conf import settings
 from django.core import checks
 from django.test import override_settings
 from testproject.celery import app
 
 from django_dlock import LockTimeout, locks
-from django_dlock.celery import HEADER, LockedTask, LockOptions, locked_task
+from django_dlock.celery import HEADER, LockedTask, LockOptions, locked_task, park, unpark
+from django_dlock.celery.parking import NoParking
 from django_dlock.signals import task_skipped
 from tests import tasks
 from tests.servers import free_port
@@ -369,6 +371,50 @@ def test_transport_default_visibility_timeout_applies_to_queue_scope(
     assert w002(checks.run_checks()) == {}
 
 
+# --- the checks for the parts a lock backend lacks ----------------------------------------
+
+
+def parts_missing(messages: list[checks.CheckMessage]) -> set[tuple[str, str]]:
+    return {(m.id, str(m.obj)) for m in messages if m.id in PART_CHECKS}
+
+
+PART_CHECKS = ("django_dlock.E010", "django_dlock.E011")
+
+
+def on_redlock() -> Any:
+    """The "celery" alias on Redlock, which has neither semaphores nor a parking queue."""
+    return override_settings(
+        DLOCK_BACKENDS={**settings.DLOCK_BACKENDS, "celery": settings.DLOCK_BACKENDS["redlock"]}
+    )
+
+
+def test_limit_and_defer_on_a_backend_without_them_are_check_errors_at_startup() -> None:
+    assert parts_missing(checks.run_checks()) == set()  # Redis has both
+    with on_redlock():
+        messages = [m for m in checks.run_checks() if m.id in PART_CHECKS]
+    found = parts_missing(messages)
+    # tests.tasks.limited and limited_one: limit=N, on_locked="defer".
+    for task in ("tests.tasks.limited", "tests.tasks.limited_one"):
+        assert ("django_dlock.E010", task) in found
+        assert ("django_dlock.E011", task) in found
+    assert all(m.is_serious() for m in messages)
+    assert all("'celery'" in m.msg and "RedlockBackend" in m.msg for m in messages)
+    # Tasks with neither are fine there.
+    assert {task for _, task in found} == {"tests.tasks.limited", "tests.tasks.limited_one"}
+
+
+def test_park_and_unpark_refuse_a_backend_without_a_parking_queue() -> None:
+    with on_redlock():
+        with pytest.raises(NoParking, match=r"'celery'.*no parking queue") as raised:
+            park("celery", "parked:x", "task-1", 1, "{}")
+        assert raised.value.alias == "celery"
+        assert raised.value.check_id == "django_dlock.E011"
+        with pytest.raises(NoParking, match="'celery'"):
+            unpark("celery", "parked:x", 1)
+    park("celery", "parked:x", "task-1", 1, "{}")  # Redis has one
+    assert [entry.key for entry in unpark("celery", "parked:x", 5)] == ["task-1"]
+
+
 def test_queue_scope_run_without_a_ticket_takes_the_lock(log: str) -> None:
     # apply() (like a message sent by name) bypasses apply_async: no ticket.
     result = tasks.dedup_queued.apply(("no-ticket", log))
@@ -422,7 +468,7 @@ def test_a_parked_call_keeps_what_celerys_json_carries() -> None:
 
     from kombu.utils.json import loads
 
-    from django_dlock.parking import park_payload
+    from django_dlock.celery.parking import park_payload
 
     args = (
         datetime.datetime(2026, 11, 23, 12, 0),

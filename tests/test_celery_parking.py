@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from django_dlock import lock, locks, parking
-from django_dlock.celery import _send_parked_on_start
-from django_dlock.parking import look_for_parked, park_payload, send_parked, stop_looking
+from django_dlock import lock, locks
+from django_dlock.celery import _send_parked_on_start, parking
+from django_dlock.celery.parking import look_for_parked, park_payload, send_parked, stop_looking
 
 
 class Sent:

@@ -1,4 +1,4 @@
-"""``django_dlock.tasks``: locked tasks of Django's task framework.
+"""``django_dlock.task_framework``: locked tasks of Django's task framework.
 
 On ImmediateBackend (the task runs inside ``enqueue()``): options, errors,
 keys, each ``on_locked`` and each scope. On django-tasks-db's DatabaseBackend
@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 from asgiref.sync import async_to_sync
 from django.conf import settings
+from django.core import checks
 from django.db import transaction
 from django.test import override_settings
 
@@ -34,15 +35,14 @@ from django_dlock import LockTimeout, keys, locks, semaphore
 from django_dlock.signals import lock_acquired, task_skipped
 
 try:
-    import django_dlock.tasks  # noqa: F401
-    from django_dlock.tasks import locked_task
+    import django_dlock.task_framework  # noqa: F401
 except ImportError:
     pytest.skip(
         "Django's task framework is not installed: Django 6+ or the django-tasks package",
         allow_module_level=True,
     )
 
-from django_dlock.tasks import (
+from django_dlock.task_framework import (
     TICKET_KWARG,
     LockedTask,
     current_lock,
@@ -94,29 +94,29 @@ def test_without_a_framework_the_import_error_says_what_to_install() -> None:
     code = (
         "import sys\n"
         "for name in ('django.tasks', 'django_tasks'): sys.modules[name] = None\n"
-        "import django_dlock.tasks\n"
-        "from django_dlock.tasks import locked_task\n"
+        "import django_dlock.task_framework\n"
+        "from django_dlock.task_framework import locked_task\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
     )
     assert done.returncode == 1
-    assert "ImportError: django_dlock.tasks needs Django's task framework" in done.stderr
+    assert "ImportError: django_dlock.task_framework needs Django's task framework" in done.stderr
     assert "django-dlock[tasks]" in done.stderr
 
 
-def test_without_a_framework_celery_still_autodiscovers_django_dlock() -> None:
-    """Celery imports every installed app's ``tasks`` module: ours must import without one."""
+def test_celery_autodiscovery_imports_no_module_of_ours() -> None:
+    """Celery imports every installed app's ``tasks`` module: django_dlock has none to import."""
     code = (
-        "import sys\n"
-        "for name in ('django.tasks', 'django_tasks'): sys.modules[name] = None\n"
+        "import importlib.util, sys\n"
         "import django\n"
         "django.setup()\n"
-        "from celery.loaders.base import find_related_module\n"
         "from testproject.celery import app\n"
         "app.autodiscover_tasks(force=True)\n"
-        "print(find_related_module('django_dlock', 'tasks').__name__)\n"
+        "assert importlib.util.find_spec('django_dlock.tasks') is None\n"
+        "print([m for m in sys.modules if m.startswith('django_dlock')"
+        " and m.endswith('.tasks')])\n"
     )
     env = {
         **os.environ,
@@ -127,7 +127,18 @@ def test_without_a_framework_celery_still_autodiscovers_django_dlock() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "django_dlock.tasks\n"
+    assert done.stdout == "[]\n"
+
+
+def test_limit_on_a_backend_without_semaphores_is_a_check_error_at_startup() -> None:
+    """tests.framework_tasks.limited has limit=2 on "locmem"; on Redlock that cannot run."""
+    assert [m for m in checks.run_checks() if m.id == "django_dlock.E010"] == []
+    redlock = {**settings.DLOCK_BACKENDS, "locmem": settings.DLOCK_BACKENDS["redlock"]}
+    with override_settings(DLOCK_BACKENDS=redlock):
+        found = [m for m in checks.run_checks() if m.id == "django_dlock.E010"]
+    [message] = [m for m in found if m.obj == "tests.framework_tasks.limited"]
+    assert message.is_serious()
+    assert "limit=2" in message.msg and "'locmem'" in message.msg and "semaphores" in message.msg
 
 
 @pytest.mark.django_db
@@ -823,7 +834,7 @@ def test_a_skip_because_a_view_holds_the_key_names_the_view(
         result = ft.skipping.enqueue(key, log)  # ImmediateBackend: runs here, skipped
         return HttpResponse(f"{status(result)} {result.return_value}")
 
-    with caplog.at_level("INFO", logger="django_dlock.tasks"):
+    with caplog.at_level("INFO", logger="django_dlock.task_framework"):
         response = pay(RequestFactory().post("/"), key=key)
     assert response.content == b"SUCCESSFUL None"  # dropped, and recorded as a success
     assert read_log(log) == []

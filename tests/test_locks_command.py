@@ -25,7 +25,7 @@ from django.test import override_settings
 
 from django_dlock import Lock, LockLost, LockTimeout, lock, locks, rwlock, semaphore
 from django_dlock.backends.base import BaseLockBackend
-from django_dlock.parking import park_payload
+from django_dlock.celery.parking import park_payload
 from django_dlock.signals import lock_broken
 from tests.servers import free_port
 

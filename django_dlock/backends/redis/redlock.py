@@ -151,6 +151,8 @@ class RedlockBackend(RedisBackend):
     # A semaphore's holders would be counted by each master on its own, and
     # no majority of such counts bounds the holders: no semaphores here.
     supports_semaphores = False
+    # Its inherited parking queue would live on one master: no parking either.
+    supports_parking = False
     # One renewal a call, each on a majority of the masters.
     renew_batch = BaseLockBackend.renew_batch
     do_extend_many = BaseLockBackend.do_extend_many

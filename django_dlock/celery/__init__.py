@@ -1,6 +1,6 @@
 """Celery: ``@locked_task`` stops the same work from running twice.
 
-The only module of django-dlock that imports Celery. ``locked_task`` is
+The only package of django-dlock that imports Celery. ``locked_task`` is
 ``shared_task(base=LockedTask, lock=...)``; ``@app.task(base=LockedTask,
 lock={...})`` works as well. Lock options (``docs/celery.md`` has the table):
 
@@ -44,7 +44,10 @@ The lifecycle, walked through in time, with the cases the peers get wrong:
         worker that discards it. A terminated or killed worker renews
         nothing, so its lease runs out within the TTL.
 
-Deferred calls (``on_locked="defer"``): see :mod:`django_dlock.parking`.
+Deferred calls (``on_locked="defer"``): see :mod:`django_dlock.celery.parking`,
+whose :func:`park` and :func:`unpark` are the parking queue's public face.
+The lock policy itself (keys, ``on_locked``, tickets) is
+:mod:`django_dlock.task_policy`, shared with the task framework's adapter.
 """
 
 from __future__ import annotations
@@ -52,10 +55,9 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, ClassVar
 
 from celery import Task, current_app, shared_task
@@ -64,30 +66,34 @@ from celery.signals import task_revoked, worker_ready, worker_shutdown
 from django.core import checks
 from kombu.utils.uuid import uuid
 
-from .exceptions import LockLost, LockTimeout
-from .handle import HeldLock
-from .handler import locks
-from .keys import KeyTemplate, templated
+from ..exceptions import LockTimeout
+from ..handle import HeldLock
+from ..handler import locks
+from ..keys import KeyTemplate
+from ..signals import task_deferred
+from ..task_policy import (
+    PolicyMixin,
+    TaskLockOptions,
+    TaskPolicy,
+    caller_template,
+    lock_options_given,
+    parse_common,
+    seconds_until,
+)
 from .parking import (
     LOOK_AGAIN_AFTER,
     ORDER_HEADER,
     drop_copies,
     header,
     look_for_parked,
+    park,
     park_payload,
     parked_key,
     send_parked,
     send_parked_calls,
     stop_looking,
-)
-from .signals import task_deferred, task_skipped
-from .task_options import (
-    MalformedTicket,
-    TaskLockOptions,
-    adopt_ticket,
-    call_key,
-    parse_common,
-    skipped_by,
+    unpark,
+    unpark_key,
 )
 
 __all__ = [
@@ -96,7 +102,10 @@ __all__ = [
     "LockOptions",
     "LockedTask",
     "locked_task",
+    "park",
     "send_parked_calls",
+    "unpark",
+    "unpark_key",
 ]
 
 logger = logging.getLogger("django_dlock.celery")
@@ -175,18 +184,7 @@ class _CurrentLock:
         return None
 
 
-def _caller_template(key: str | None, func: Callable[..., Any], bound: bool) -> KeyTemplate:
-    """``key`` over the arguments callers pass: a bound ``func`` drops its ``self``.
-
-    Without a key the template only binds the arguments, for the default key's hash.
-    """
-    signature = inspect.signature(func)
-    if bound:
-        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
-    return KeyTemplate(key or "", signature, func.__qualname__)
-
-
-class LockedTask(Task):  # type: ignore[misc]
+class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
     """A Celery task base that runs each distinct call at most once at a time.
 
     Configure it with ``lock={...}`` (see the module docstring), as a class
@@ -219,19 +217,14 @@ class LockedTask(Task):  # type: ignore[misc]
             # makes the others' ``run`` a staticmethod.
             run = inspect.getattr_static(cls, "run")
             bound = not isinstance(run, staticmethod)
-            template = _caller_template(
-                cls.lock_options.key, run if bound else run.__func__, bound
-            )
+            template = caller_template(cls.lock_options.key, run if bound else run.__func__, bound)
             cls._key_template = template
         return template
 
-    def lock_key(self, args: Any = (), kwargs: Mapping[str, Any] | None = None) -> str:
-        """The lock name for a call with ``args`` and ``kwargs``."""
-        return call_key(self._template(), self.name, args, kwargs)
-
-    def lock_pattern(self) -> str:
-        """What metrics label this task's locks by: its key template, else ``"<task name>:*"``."""
-        return self.lock_options.key or f"{self.name}:*"
+    @property
+    def policy(self) -> TaskPolicy:
+        """This task's lock policy (:mod:`django_dlock.task_policy`)."""
+        return TaskPolicy(self, self.name, self.lock_options, logger, self._template())
 
     # --- running ----------------------------------------------------------------------
 
@@ -246,16 +239,13 @@ class LockedTask(Task):  # type: ignore[misc]
         self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any], call: Callable[..., Any]
     ) -> Any:
         key = self.lock_key(args, kwargs)
-        held = None
+        task_id = getattr(request, "id", None)
         ticket = _ticket(request)
-        if ticket is not None and ticket.get("name") == key:
-            held = self._adopt(ticket)
+        held = None if ticket is None else self.policy.adopt(ticket, key)
         if held is None:
-            task_id = getattr(request, "id", None)
             held = self._acquire(key, self.lock_options.ttl, True, task_id, request, args, kwargs)
             if held is None:
                 return None
-        task_id = getattr(request, "id", None)
         token = _running.set((*_running.get(), (self, task_id, held)))
         try:
             return call(*args, **kwargs)
@@ -270,24 +260,6 @@ class LockedTask(Task):  # type: ignore[misc]
                 if task_id is not None and request is not None:
                     drop_copies(self.lock_options.backend, key, task_id, request)
                 send_parked(self.app, self.lock_options.backend, key, 1)
-
-    def _adopt(self, ticket: Mapping[str, Any]) -> HeldLock | None:
-        try:
-            return adopt_ticket(
-                ticket, self.lock_options.backend, self.lock_options.ttl, self.lock_pattern()
-            )
-        except LockLost:
-            # It ran out or was broken before the task started, or another
-            # delivery of this message adopted it (a redelivery): on_locked decides.
-            logger.info(
-                "The queue lease of %s on %r ran out, was broken or was adopted by another "
-                "delivery of this message; acquiring it as on_locked says.",
-                self.name,
-                ticket.get("name"),
-            )
-        except MalformedTicket as e:
-            logger.warning("Ignoring a malformed lock ticket on %s: %s", self.name, e)
-        return None
 
     def _acquire(
         self,
@@ -304,25 +276,22 @@ class LockedTask(Task):  # type: ignore[misc]
         None: the call is skipped.
         """
         options = self.lock_options
-        scope = "run" if renew else "queue"
-        try:
-            with templated(self.lock_pattern()):
-                return options.target().acquire(  # type: ignore[no-any-return]
-                    key,
-                    ttl=ttl,
-                    timeout=options.timeout if options.on_locked == "wait" else 0,
-                    metadata=self._metadata(task_id, request, scope),
-                    renew=renew,
-                )
-        except LockTimeout as e:
-            if options.on_locked in ("wait", "raise"):
-                raise
+
+        def refused(e: LockTimeout) -> HeldLock | None:
             if options.on_locked == "retry":  # run scope only: LockOptions refuses it in queue
                 raise self.retry(exc=e, countdown=options.countdown) from e
-            if options.on_locked == "defer":
-                return self._park(key, task_id, request, args, kwargs)
-            self._skipped(key, task_id, scope, args, kwargs)
-            return None
+            return self._park(key, task_id, request, args, kwargs)  # "defer"
+
+        return self.policy.acquire(
+            key,
+            ttl=ttl,
+            renew=renew,
+            task_id=task_id,
+            worker=getattr(request, "hostname", None),
+            args=args,
+            kwargs=kwargs,
+            refused=refused,
+        )
 
     def _park(
         self, key: str, task_id: str | None, request: Any, args: Any, kwargs: Any
@@ -342,17 +311,19 @@ class LockedTask(Task):  # type: ignore[misc]
             order = time.time_ns() // 1000
         delivery = getattr(request, "delivery_info", None) or {}
         payload = park_payload(self.name, args, kwargs, delivery, order, options.limit, request)
-        backend = locks[options.backend]
         parked = parked_key(task_id, request)
-        backend.do_park(key, parked, order, payload)
+        park(options.backend, key, parked, order, payload)
         logger.info("Deferred %s[%s]: no free slot on %r.", self.name, task_id, key)
         # A run that ended before the parking landed popped nobody: take its slot.
-        metadata = self._metadata(task_id, request, "run")
         try:
-            with templated(self.lock_pattern()):
-                held: HeldLock = options.target().acquire(
-                    key, ttl=options.ttl, timeout=0, metadata=metadata
-                )
+            held = self.policy.lease(
+                key,
+                ttl=options.ttl,
+                renew=True,
+                timeout=0,
+                task_id=task_id,
+                worker=getattr(request, "hostname", None),
+            )
         except LockTimeout:
             task_deferred.send(
                 type(self), task=self, task_id=task_id, name=key, backend=options.backend,
@@ -361,7 +332,7 @@ class LockedTask(Task):  # type: ignore[misc]
             # If the holder dies, no run ending pops this call: look for it.
             look_for_parked(self.app, LOOK_AGAIN_AFTER)
             raise Ignore() from None
-        if backend.do_unpark_key(key, parked):
+        if unpark_key(options.backend, key, parked):
             return held
         # Popped and sent again meanwhile: that message runs it, not this one.
         held.release_quietly()
@@ -412,7 +383,7 @@ class LockedTask(Task):  # type: ignore[misc]
         try:
             return super().apply_async(args, kwargs, task_id, *rest, headers=headers, **options)
         except BaseException:
-            _release_ticket(ticket)
+            self.policy.release_ticket(ticket)
             raise
 
     def _running_lease(self, task_id: str, key: str) -> HeldLock | None:
@@ -420,48 +391,6 @@ class LockedTask(Task):  # type: ignore[misc]
             if running is self and running_id == task_id and held.name == key:
                 return held  # type: ignore[no-any-return]
         return None
-
-    # --- helpers ----------------------------------------------------------------------
-
-    def _metadata(self, task_id: str | None, request: Any, scope: str) -> dict[str, Any]:
-        return {
-            "task_id": task_id,
-            "task_name": self.name,
-            "worker": getattr(request, "hostname", None),
-            "scope": scope,
-        }
-
-    def _skipped(
-        self,
-        key: str,
-        task_id: str | None,
-        scope: str,
-        args: Any,
-        kwargs: Any,
-    ) -> None:
-        alias = self.lock_options.backend
-        holder = skipped_by(alias, key, self.lock_options.limit)
-        logger.info(
-            "Skipped %s[%s]: lock %r on %r is held by %r (%s scope).",
-            self.name,
-            task_id,
-            key,
-            alias,
-            holder,
-            scope,
-        )
-        task_skipped.send(
-            sender=type(self),
-            task=self,
-            task_id=task_id,
-            name=key,
-            backend=alias,
-            scope=scope,
-            args=args,
-            kwargs=kwargs,
-            template=self.lock_pattern(),
-            holder=holder,
-        )
 
 
 def locked_task(*args: Any, **options: Any) -> Any:
@@ -472,12 +401,7 @@ def locked_task(*args: Any, **options: Any) -> Any:
     is the lock backend alias; Celery's per-task result backend, which shares
     the name, is passed as ``result_backend=``. Works bare (``@locked_task``).
     """
-    lock = dict(options.pop("lock", None) or {})
-    for name in LockOptions.__dataclass_fields__:
-        if name in options:
-            if name in lock:
-                raise TypeError(f"Lock option {name!r} is given twice.")
-            lock[name] = options.pop(name)
+    lock = lock_options_given(options, LockOptions.__dataclass_fields__)
     if "result_backend" in options:
         options["backend"] = options.pop("result_backend")
     base = options.setdefault("base", LockedTask)
@@ -488,7 +412,7 @@ def locked_task(*args: Any, **options: Any) -> Any:
         task = options.get("name") or f"{fun.__module__}.{fun.__qualname__}"
         parsed = LockOptions.parse(lock, task)
         # Fail where the task is defined, not when the app is finalized.
-        _caller_template(parsed.key, fun, bool(options.get("bind")))
+        caller_template(parsed.key, fun, bool(options.get("bind")))
         return shared_task(lock=parsed, **options)(fun)
 
     if len(args) == 1 and callable(args[0]):
@@ -519,13 +443,6 @@ def _stop_looking_on_shutdown(**kwargs: Any) -> None:
     stop_looking()
 
 
-def _release_ticket(ticket: Mapping[str, Any]) -> None:
-    try:
-        locks[ticket["backend"]].release_ticket(ticket)
-    except Exception:
-        logger.warning("Could not release the queue lease %r", ticket.get("name"), exc_info=True)
-
-
 def _delay(options: Mapping[str, Any], app: Any) -> float:
     """Seconds until a message sent with these options may run (countdown or eta).
 
@@ -537,14 +454,7 @@ def _delay(options: Mapping[str, Any], app: Any) -> float:
     countdown = options.get("countdown")
     if countdown is not None:
         return max(float(countdown), 0.0)
-    eta = options.get("eta")
-    if eta is None:
-        return 0.0
-    if isinstance(eta, str):
-        eta = datetime.fromisoformat(eta)
-    if eta.tzinfo is None:
-        eta = eta.astimezone() if app.uses_utc_timezone() else eta.replace(tzinfo=app.timezone)
-    return max((eta - datetime.now(timezone.utc)).total_seconds(), 0.0)
+    return seconds_until(options.get("eta"), None if app.uses_utc_timezone() else app.timezone)
 
 
 @task_revoked.connect  # type: ignore[untyped-decorator]
@@ -559,7 +469,21 @@ def _release_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> 
     ticket = _ticket(request)
     # Only a ticket of the task's own backend: one naming another is not its lease.
     if ticket is not None and ticket.get("backend") == sender.lock_options.backend:
-        _release_ticket(ticket)
+        sender.policy.release_ticket(ticket)
+
+
+def locked_tasks() -> Iterator[tuple[str, LockOptions]]:
+    """The locked tasks of the current Celery app and their options, by name.
+
+    None while the app cannot be finalized yet (``autofinalize=False``).
+    """
+    try:
+        tasks = dict(current_app.tasks)
+    except RuntimeError:
+        return
+    for name, task in sorted(tasks.items()):
+        if isinstance(task, LockedTask):
+            yield name, task.lock_options
 
 
 @checks.register()
@@ -581,15 +505,8 @@ def check_visibility_timeout(app_configs: Any = None, **kwargs: Any) -> list[che
     )
     if visibility is None:
         return []
-    try:
-        tasks = dict(app.tasks)
-    except RuntimeError:  # autofinalize=False and not finalized yet
-        return []
     messages: list[checks.CheckMessage] = []
-    for name, task in sorted(tasks.items()):
-        if not isinstance(task, LockedTask):
-            continue
-        lock_options = task.lock_options
+    for name, lock_options in locked_tasks():
         if explicit is None and lock_options.scope != "queue":
             continue
         ttl = lock_options.ttl

@@ -1,9 +1,15 @@
 """Calls parked by ``@locked_task(on_locked="defer")``, and sending them again.
 
-The parked calls live in the lock service (the backend's ``do_park`` queue of
-each key), so they outlive the worker that parked them. This module does not
-import Celery (only kombu's JSON, which Celery's ``json`` serializer uses):
-``app`` is the Celery app, used only for ``send_task``.
+The parked calls live in the lock service (the backend's parking queue of
+each key), so they outlive the worker that parked them. Parking is a part of
+the Celery integration, not of the lock-service contract: a backend has it
+when it declares ``supports_parking`` (:func:`has_parking`), and
+:func:`park`, :func:`unpark` and :func:`unpark_key` are the only ways in,
+each refusing a backend without it with an error that names the alias.
+``manage.py check`` reports a deferring task on such a backend at startup
+(``django_dlock.E011``). This module does not import Celery (only kombu's
+JSON, which Celery's ``json`` serializer uses): ``app`` is the Celery app,
+used only for ``send_task``.
 
 In run scope, a call that finds no free
 slot parks itself on the lock service (``do_park``: its task, arguments,
@@ -30,23 +36,80 @@ from typing import Any
 
 from kombu.utils import json as kombu_json
 
-from .handler import locks
+from ..backends.base import BaseLockBackend, ParkedTask
+from ..exceptions import LockConfigurationError
+from ..handler import locks
 
 __all__ = [
     "LOOK_AGAIN_AFTER",
     "ORDER_HEADER",
+    "NoParking",
+    "has_parking",
     "header",
     "look_for_parked",
+    "park",
     "park_payload",
     "send_parked",
     "send_parked_calls",
     "stop_looking",
+    "unpark",
+    "unpark_key",
 ]
 
 logger = logging.getLogger("django_dlock.celery")
 
 #: Message header of a deferred call sent again: its place in line (µs).
 ORDER_HEADER = "django_dlock_order"
+
+
+class NoParking(LockConfigurationError):
+    """A lock backend without a parking queue asked to park or unpark a call."""
+
+    check_id = "django_dlock.E011"
+
+
+def has_parking(backend: BaseLockBackend) -> bool:
+    """Whether ``backend`` has a parking queue for deferred calls.
+
+    What it declares as ``supports_parking``; a backend that declares
+    nothing has one if it implements ``do_park`` (not the base class's stub).
+    """
+    declared = getattr(type(backend), "supports_parking", None)
+    if isinstance(declared, bool):
+        return declared
+    return type(backend).do_park is not BaseLockBackend.do_park
+
+
+def _parking(alias: str) -> BaseLockBackend:
+    backend = locks[alias]
+    if not has_parking(backend):
+        raise NoParking(
+            f"Lock backend {alias!r} ({backend.path}) has no parking queue: "
+            "on_locked='defer' cannot park calls there.",
+            alias=alias,
+        )
+    return backend
+
+
+def park(alias: str, name: str, key: str, order: int, payload: str) -> None:
+    """Park the call ``key`` on ``name`` in backend ``alias``'s queue, at place ``order``.
+
+    A call parked under ``key`` already is replaced, keeping one entry per
+    call. The entry stays until unparked (it has no lease). ``payload`` is
+    what sends it again (:func:`park_payload`). Raises :class:`NoParking`
+    for a backend without a parking queue.
+    """
+    _parking(alias).do_park(name, key, order, payload)
+
+
+def unpark(alias: str, name: str, count: int) -> list[ParkedTask]:
+    """Remove and return up to ``count`` calls parked on ``name``, the lowest ``order`` first."""
+    return _parking(alias).do_unpark(name, count)
+
+
+def unpark_key(alias: str, name: str, key: str) -> bool:
+    """Remove the call ``key`` parked on ``name``; True if it was there."""
+    return _parking(alias).do_unpark_key(name, key)
 
 
 def header(request: Any, name: str) -> Any:
@@ -133,7 +196,7 @@ def drop_copies(alias: str, key: str, task_id: str, request: Any) -> bool:
     another parked key and stays.
     """
     try:
-        dropped = bool(locks[alias].do_unpark_key(key, parked_key(task_id, request)))
+        dropped = unpark_key(alias, key, parked_key(task_id, request))
     except Exception:
         logger.warning("Could not look for copies of %s parked on %r", task_id, key, exc_info=True)
         return False
@@ -145,8 +208,7 @@ def drop_copies(alias: str, key: str, task_id: str, request: Any) -> bool:
 def send_parked(app: Any, alias: str, key: str, count: int) -> int:
     """Pop up to ``count`` calls parked on ``key`` and send them again; return how many."""
     try:
-        backend = locks[alias]
-        parked = backend.do_unpark(key, count)
+        parked = unpark(alias, key, count)
     except Exception:
         logger.warning("Could not unpark the calls deferred on %r", key, exc_info=True)
         return 0
@@ -172,7 +234,7 @@ def send_parked(app: Any, alias: str, key: str, count: int) -> int:
             # Parked again at its place rather than lost.
             logger.warning("Could not send the deferred call %s again", entry.key, exc_info=True)
             try:
-                backend.do_park(key, entry.key, entry.order, entry.payload)
+                park(alias, key, entry.key, entry.order, entry.payload)
             except Exception:
                 logger.error("Lost the deferred call %s on %r", entry.key, key, exc_info=True)
     return sent
@@ -195,7 +257,7 @@ def send_parked_calls(app: Any, alias: str | None = None) -> tuple[int, float | 
                 aliases.add(options.backend)
     sent, wake_in = 0, None
     for name in sorted(aliases):
-        backend = locks[name]
+        backend = _parking(name)
         limits: dict[str, int | None] = {}
         for parked in backend.do_list_parked(""):
             try:
