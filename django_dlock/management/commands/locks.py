@@ -32,8 +32,8 @@ from ..._validation import printable, validate_name
 from ...checks import backend_messages
 from ...exceptions import LockConfigurationError
 from ...handler import locks
+from ...lag import lag_notes
 from ...pings import ping_within
-from ...watchdog import lag_notes
 from .. import formatting
 
 NOTHING_MATCHED = 1
