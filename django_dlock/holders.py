@@ -24,10 +24,6 @@ from .backends.base import LockInfo
 from .backends.types import SemaphoreInfo
 from .handler import locks
 
-#: The holder fields shown in their own columns or in the HOLDER column;
-#: ``show`` and the admin's detail list everything else after them.
-HOLDER_FIELDS = ("host", "pid", "thread", "acquired_at", "ttl", "task_name", "task_id")
-
 
 @dataclass(frozen=True)
 class Slot:
