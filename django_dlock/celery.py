@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -64,6 +63,7 @@ from celery.signals import task_revoked, worker_ready, worker_shutdown
 from django.core import checks
 from kombu.utils.uuid import uuid
 
+from .clocks import wall_micros
 from .exceptions import LockLost, LockTimeout
 from .handle import HeldLock
 from .handler import locks
@@ -339,7 +339,7 @@ class LockedTask(Task):  # type: ignore[misc]
             )
         order = header(request, ORDER_HEADER)
         if not isinstance(order, int) or isinstance(order, bool):
-            order = time.time_ns() // 1000
+            order = wall_micros()
         delivery = getattr(request, "delivery_info", None) or {}
         payload = park_payload(self.name, args, kwargs, delivery, order, options.limit, request)
         backend = locks[options.backend]
