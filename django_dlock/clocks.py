@@ -1,4 +1,8 @@
-"""Forward steps of a lock service's clock, seen from here (issue 28).
+"""The package's clocks: the wall clock in microseconds, TTLs in milliseconds, and
+forward steps of a lock service's clock, seen from here (issue 28).
+
+:func:`wall_micros` and :func:`ms` are the one copy of each conversion the
+backends use; the rest of this module is the probe of a service's clock.
 
 A lease ends on the lock service's clock: Redis stores each key's end as a
 wall-clock instant, and the database backend compares ``expires_at`` with the
@@ -29,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PROBE_EVERY", "SLACK", "ClockProbe", "ClockWatch"]
+__all__ = ["PROBE_EVERY", "SLACK", "ClockProbe", "ClockWatch", "ms", "wall_micros"]
 
 logger = logging.getLogger("django_dlock.watchdog")
 
@@ -38,6 +42,21 @@ PROBE_EVERY = 1.0
 #: A forward step smaller than this (beyond the round trips' uncertainty) is
 #: not reported: clocks that slew drift far less between two reads.
 SLACK = 0.5
+
+
+def wall_micros() -> int:
+    """This machine's wall clock, in whole microseconds since the epoch.
+
+    Where fencing tokens start on a service that tells no time of its own
+    (locmem, etcd's epochs; SQLite's ``dlock_now_us()``), and when a slot was
+    taken or a Celery call parked.
+    """
+    return time.time_ns() // 1000
+
+
+def ms(seconds: float) -> int:
+    """``seconds`` in whole milliseconds, at least one: a TTL as Redis's ``PX`` takes it."""
+    return max(1, round(seconds * 1000))
 
 
 class ClockWatch:

@@ -1,9 +1,9 @@
-"""The renewal thread of each backend alias (:class:`Renewer`), and the lag notes.
+"""The renewal thread of each backend alias (:class:`Renewer`).
 
 The watchdog thread (``watchdog.py``) only schedules; the calls that renew
 leases run here, one thread per backend alias. A renewal thread that falls
 behind reports it once per episode and leaves a note that ``locks check``
-reads (:func:`lag_notes`).
+reads (``lag.py``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import heapq
 import itertools
 import logging
 import math
-import os
-import socket
 import threading
 import time
 import weakref
@@ -22,14 +20,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._validation import INTERNAL_PREFIX, holder_metadata, new_owner
 from .backends.types import BoundElsewhere
 from .clocks import ClockProbe
 from .dispatch import get_dispatcher, mark_lease_thread, send_robust
+from .lag import LAG_NOTE_TTL, leave_note
 from .signals import watchdog_lagging
 
 if TYPE_CHECKING:
-    from .backends.base import BaseLockBackend
     from .handle import HeldLock
     from .watchdog import Watchdog
 
@@ -42,11 +39,6 @@ ROUND = 2000
 LATE_SHARE = 1 / 6
 #: A lag episode ends after this many seconds without a late renewal.
 LAG_QUIET = 60.0
-#: Lock names under which a lagging process leaves a note for ``locks check``:
-#: django-dlock's own names, which no lock can take (``INTERNAL_PREFIX``).
-LAG_PREFIX = f"{INTERNAL_PREFIX}watchdog-lagging:"
-#: How long that note lasts, in seconds.
-LAG_NOTE_TTL = 600.0
 
 
 class Renewer:
@@ -395,55 +387,10 @@ class Renewer:
 
     def _leave_note(self, backend: Any, detail: dict[str, Any]) -> None:
         """A lease named after this process, which ``locks check`` lists: it lagged."""
-        name = f"{LAG_PREFIX}{socket.gethostname()}:{os.getpid()}"
         try:
-            if self._note_owner is not None:
-                backend.do_release(name, self._note_owner)
-            owner = new_owner()
-            holder = holder_metadata(LAG_NOTE_TTL, {"watchdog_lag": detail})[1]
-            if backend.do_acquire(name, owner, LAG_NOTE_TTL, holder, False) is not None:
-                self._note_owner = owner
-        except Exception:
-            logger.warning("Could not note the lag on %r", self.alias, exc_info=True)
+            self._note_owner = leave_note(backend, self.alias, self._note_owner, detail)
         finally:
             _close_thread_connections()
-
-
-def lag_notes(backend: BaseLockBackend) -> list[str]:
-    """What ``locks check`` warns of: processes whose watchdog fell behind on ``backend``.
-
-    Each lagging process leaves a note (a lease under ``LAG_PREFIX``) that
-    lasts ``LAG_NOTE_TTL`` seconds. A note is read as data, never trusted:
-    one whose metadata is not what ``_leave_note`` writes (written to the
-    lock service directly) is reported as malformed, and each field is cut
-    to 100 characters. The text is raw: whoever prints it escapes it.
-    """
-    notes = []
-    for info in backend.list(LAG_PREFIX):
-        holder = info.holder
-        lag = holder.get("watchdog_lag") if isinstance(holder, dict) else None
-        if not (
-            isinstance(lag, dict)
-            and isinstance(lag.get("late_s"), (int, float))
-            and isinstance(holder.get("pid"), int)
-            and isinstance(holder.get("host"), str)
-        ):
-            notes.append(f"a malformed watchdog lag note: {_field(info.name)}")
-            continue
-        notes.append(
-            f"the watchdog of process {_field(holder.get('pid'))} on "
-            f"{_field(holder.get('host'))} fell behind renewing leases at "
-            f"{_field(holder.get('acquired_at'))}: renewals went out {_field(lag.get('late_s'))} "
-            f"s late, {_field(lag.get('waiting'))} lease(s) waited and "
-            f"{_field(lag.get('ran_out'))} ran out first (noted for {LAG_NOTE_TTL / 60:g} minutes)"
-        )
-    return notes
-
-
-def _field(value: object) -> str:
-    """A note's field as text of at most 100 characters."""
-    text = value if isinstance(value, str) else repr(value)
-    return text[:100] + ("..." if len(text) > 100 else "")
 
 
 WAITED = (

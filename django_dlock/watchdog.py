@@ -41,16 +41,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .dispatch import mark_lease_thread
-
-# The renewal threads and the lag notes live in renewer.py; their names
-# are importable from here as before.
-from .renewer import LAG_NOTE_TTL as LAG_NOTE_TTL
-from .renewer import LAG_PREFIX as LAG_PREFIX
 from .renewer import LAG_QUIET, Renewer
-from .renewer import LATE_SHARE as LATE_SHARE
-from .renewer import ROUND as ROUND
-from .renewer import WAITED as WAITED
-from .renewer import lag_notes as lag_notes
 
 if TYPE_CHECKING:
     from .handle import HeldLock

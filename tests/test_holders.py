@@ -9,9 +9,10 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from django_dlock._validation import holder_metadata, load_holder, load_holders
+from django_dlock._validation import holder_metadata, load_holder, load_holders, printable
 from django_dlock.backends.base import LockInfo
-from django_dlock.holders import as_json, duration, holder_label, printable
+from django_dlock.holders import duration, holder_label
+from django_dlock.management.formatting import as_json
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
 

@@ -354,7 +354,7 @@ class Simulation:
     def _round_over(self) -> None:
         ran_out, too_late = self._round
         for held in ran_out + too_late:
-            held.renewal_lost(watchdog_mod.WAITED)
+            held.renewal_lost((renewer_mod or watchdog_mod).WAITED)
         with self.renewer._cond:
             self.renewer._sending = []
 

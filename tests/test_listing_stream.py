@@ -17,9 +17,10 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
-from django_dlock import LockLost, holders, lock, locks
+from django_dlock import LockLost, lock, locks
 from django_dlock.backends.redis import listing
 from django_dlock.handle import HeldLock
+from django_dlock.management import formatting
 
 
 def run(*args: str) -> str:
@@ -31,7 +32,7 @@ def run(*args: str) -> str:
 @pytest.fixture
 def small_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(listing, "LIST_PAGE", 3)
-    monkeypatch.setattr(holders, "JSON_BATCH", 2)
+    monkeypatch.setattr(formatting, "JSON_BATCH", 2)
 
 
 def take(names: list[str], alias: str = "redis", ttl: float = 30) -> list[HeldLock]:

@@ -42,7 +42,7 @@ from django_dlock._validation import INTERNAL_PREFIX, new_owner
 from django_dlock.backends.base import BaseLockBackend
 from django_dlock.backends.probe import PROBE_NAME
 from django_dlock.exceptions import LockConfigurationError
-from django_dlock.watchdog import LAG_PREFIX
+from django_dlock.lag import LAG_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCMEM = {"BACKEND": "django_dlock.backends.locmem.LocMemBackend"}

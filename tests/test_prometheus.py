@@ -24,7 +24,8 @@ from django_dlock import lock, locks, signals
 from django_dlock.celery import HEADER, locked_task
 from django_dlock.exceptions import LockLost, LockTimeout
 from django_dlock.keys import templated
-from django_dlock.watchdog import LAG_PREFIX, get_watchdog
+from django_dlock.lag import LAG_PREFIX
+from django_dlock.watchdog import get_watchdog
 from tests import tasks
 
 prometheus_client = pytest.importorskip(

@@ -357,8 +357,9 @@ def test_a_watchdog_lagging_receiver_that_waits_for_a_held_lock_delays_no_renewa
     Before: it ran on the renewal thread, which renewed nothing meanwhile, so
     the lease (ttl 1.8) ran out and the receiver got it.
     """
+    from django_dlock.lag import LAG_PREFIX
     from django_dlock.signals import watchdog_lagging
-    from django_dlock.watchdog import LAG_PREFIX, get_watchdog
+    from django_dlock.watchdog import get_watchdog
 
     alias = f"recv-lag{next(_run)}"
     seen: list[str] = []

@@ -730,7 +730,7 @@ def test_a_listing_stopped_midway_leaves_the_connection_usable(
 def test_a_holder_that_is_not_json_is_listed_as_unparsed(
     redis_servers: dict[str, Any], name: str
 ) -> None:
-    from django_dlock.holders import as_json
+    from django_dlock.management.formatting import as_json
 
     client = raw(redis_servers["single"])
     with lock(f"{name}:ok", backend="redis"):

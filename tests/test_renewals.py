@@ -22,8 +22,9 @@ from django.test import override_settings
 from django_dlock import lock, locks
 from django_dlock._validation import holder_metadata, new_owner
 from django_dlock.backends.base import BaseLockBackend
+from django_dlock.lag import LAG_PREFIX
 from django_dlock.signals import watchdog_lagging
-from django_dlock.watchdog import LAG_PREFIX, get_watchdog
+from django_dlock.watchdog import get_watchdog
 
 
 def take(backend: BaseLockBackend, name: str, ttl: float) -> str:

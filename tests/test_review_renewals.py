@@ -14,8 +14,9 @@ from django.test import override_settings
 import django_dlock.renewer as renewer_module
 import django_dlock.watchdog as watchdog_module
 from django_dlock import lock, locks
+from django_dlock.lag import LAG_PREFIX
 from django_dlock.signals import lock_lost, watchdog_lagging
-from django_dlock.watchdog import LAG_PREFIX, get_watchdog
+from django_dlock.watchdog import get_watchdog
 
 LOCMEM = "django_dlock.backends.locmem.LocMemBackend"
 

@@ -46,10 +46,11 @@ from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from .._validation import load_holder, micros_to_datetime
+from ..clocks import ms, wall_micros
 from ..commit_hooks import at_transaction_end
 from ..exceptions import LockInTransaction
 from .base import BaseLockBackend, LockInfo, ParkedTask, SlotEntry
-from .sql import BINARY, IDLE_IN_TRANSACTION, SERVER_CLOCK, Busy, micros, wall_us
+from .sql import BINARY, IDLE_IN_TRANSACTION, SERVER_CLOCK, Busy, micros
 
 T = TypeVar("T")
 
@@ -223,8 +224,8 @@ class DatabaseSlots(BaseLockBackend):
                 cursor.execute(sql.begin)
                 try:
                     if sql.vendor == "postgresql":
-                        ms = max(1, round(IDLE_IN_TRANSACTION * 1000))
-                        cursor.execute(f"SET LOCAL idle_in_transaction_session_timeout = '{ms}ms'")
+                        idle = f"{ms(IDLE_IN_TRANSACTION)}ms"
+                        cursor.execute(f"SET LOCAL idle_in_transaction_session_timeout = '{idle}'")
                     result = fn(sql, cursor)
                     cursor.execute("COMMIT")
                 except BaseException:
@@ -279,7 +280,7 @@ class DatabaseSlots(BaseLockBackend):
 
         def grant(sql: _SQL, cursor: Any, fence: int) -> int:
             # SQLite: a rolled-back grant's token is not issued again (see above).
-            token = max(fence + 1, wall_us()) if sql.vendor == "sqlite" else fence + 1
+            token = max(fence + 1, wall_micros()) if sql.vendor == "sqlite" else fence + 1
             cursor.execute(sql.set_counter, [token, counter])
             cursor.execute(
                 sql.insert,

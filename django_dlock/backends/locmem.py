@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from .._validation import load_holder, micros_to_datetime
+from ..clocks import wall_micros
 from .base import Attempt, BaseLockBackend, LockInfo, ParkedTask, SlotEntry
 from .slots import SlotAttempt
 
@@ -138,9 +139,9 @@ class LocMemBackend(BaseLockBackend):
             if self._live(key, now) is not None:
                 return None
             last = store.fences.get(key)
-            token = time.time_ns() // 1000 if last is None else last + 1
+            token = wall_micros() if last is None else last + 1
             store.fences[key] = token
-            store.leases[key] = _Lease(owner, token, now + ttl, time.time_ns() // 1000, holder)
+            store.leases[key] = _Lease(owner, token, now + ttl, wall_micros(), holder)
             return token
 
     def do_release(self, name: str, owner: str) -> bool:
@@ -218,7 +219,7 @@ class LocMemBackend(BaseLockBackend):
             token=lease.token,
             holder=load_holder(lease.holder),
             acquired_at=micros_to_datetime(lease.acquired_wall_us),
-            expires_at=micros_to_datetime(time.time_ns() // 1000 + int(remaining * 1e6)),
+            expires_at=micros_to_datetime(wall_micros() + int(remaining * 1e6)),
             expires_in=remaining,
         )
 
@@ -258,9 +259,9 @@ class LocMemBackend(BaseLockBackend):
                 slots.waiters[owner] = (weight, now + ttl)
                 return None
             last = store.slot_fences.get(key)
-            token = time.time_ns() // 1000 if last is None else last + 1
+            token = wall_micros() if last is None else last + 1
             store.slot_fences[key] = token
-            lease = _Lease(owner, token, now + ttl, time.time_ns() // 1000, holder)
+            lease = _Lease(owner, token, now + ttl, wall_micros(), holder)
             slots.holders[owner] = (lease, weight)
             slots.waiters.pop(owner, None)
             return token

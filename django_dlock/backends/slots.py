@@ -16,7 +16,6 @@ watchdog, async) is the mutex's, unchanged.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -190,10 +189,6 @@ def list_semaphores(backend: BaseLockBackend, prefix: str) -> list[SemaphoreInfo
             )
         )
     return infos
-
-
-def wall_micros() -> int:
-    return time.time_ns() // 1000
 
 
 __all__ = [

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-__all__ = ["BINARY", "SERVER_CLOCK", "Busy", "add_clock", "micros", "wall_us"]
+from ..clocks import ms, wall_micros
+
+__all__ = ["BINARY", "SERVER_CLOCK", "Busy", "add_clock", "micros"]
 
 # The server's clock as integer microseconds since the epoch. Each expression
 # has one value for the whole statement, so a statement compares and stores
@@ -40,10 +41,6 @@ def micros(seconds: float) -> int:
     return max(1, round(seconds * 1_000_000))
 
 
-def wall_us() -> int:
-    return time.time_ns() // 1000
-
-
 def add_clock(connection: BaseDatabaseWrapper) -> None:
     """Give an SQLite connection ``dlock_now_us()``: the wall clock in microseconds.
 
@@ -55,7 +52,7 @@ def add_clock(connection: BaseDatabaseWrapper) -> None:
         connection.ensure_connection()
     raw = connection.connection
     if getattr(connection, "_dlock_clock", None) is not raw:
-        raw.create_function("dlock_now_us", 0, wall_us)
+        raw.create_function("dlock_now_us", 0, wall_micros)
         connection._dlock_clock = raw  # type: ignore[attr-defined]
 
 
@@ -120,8 +117,7 @@ def bounded(connection: BaseDatabaseWrapper, cursor: Any) -> Any:
             return cursor
         if not connection.get_autocommit():
             return cursor
-        ms = max(1, round(LOCK_WAIT * 1000))
-        return BoundedCursor(cursor, f"SET LOCAL lock_timeout = '{ms}ms'; ", True)
+        return BoundedCursor(cursor, f"SET LOCAL lock_timeout = '{ms(LOCK_WAIT)}ms'; ", True)
     if vendor == "mysql" and getattr(connection, "mysql_is_mariadb", False):
         seconds = max(1, round(LOCK_WAIT))
         # lock_wait_timeout: a table or metadata lock (LOCK TABLES, ALTER

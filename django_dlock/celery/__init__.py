@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -66,6 +65,7 @@ from celery.signals import task_revoked, worker_ready, worker_shutdown
 from django.core import checks
 from kombu.utils.uuid import uuid
 
+from ..clocks import wall_micros
 from ..exceptions import LockTimeout
 from ..handle import HeldLock
 from ..handler import locks
@@ -308,7 +308,7 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
             )
         order = header(request, ORDER_HEADER)
         if not isinstance(order, int) or isinstance(order, bool):
-            order = time.time_ns() // 1000
+            order = wall_micros()
         delivery = getattr(request, "delivery_info", None) or {}
         payload = park_payload(self.name, args, kwargs, delivery, order, options.limit, request)
         parked = parked_key(task_id, request)

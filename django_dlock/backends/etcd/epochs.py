@@ -38,8 +38,8 @@ from typing import Any
 
 from etcd3 import etcdrpc as rpc
 
+from ...clocks import wall_micros
 from ...exceptions import BackendUnavailable
-from ..slots import wall_micros
 from .transport import Transport, encode_op, get, modified_at, put, range_end, txn
 
 

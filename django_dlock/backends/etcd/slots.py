@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from etcd3 import etcdrpc as rpc
 
+from ...clocks import wall_micros
 from ...exceptions import BackendUnavailable
 from ..attempts import Attempt
 from ..base import (
@@ -49,7 +50,7 @@ from ..base import (
     load_holder,
     micros_to_datetime,
 )
-from ..slots import SlotAttempt, wall_micros
+from ..slots import SlotAttempt
 from .sessions import Entry, Sessions
 from .transport import (
     CREATE_ASC,

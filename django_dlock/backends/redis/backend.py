@@ -25,6 +25,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+from ...clocks import ms
 from ...exceptions import BackendUnavailable, LockConfigurationError
 from ..base import Attempt, Grant, LockInfo
 from ..probe import PROBE_NAME
@@ -35,7 +36,6 @@ from .connections import (
     Node,
     as_bytes,
     ask_version,
-    ms,
     text,
     transient,
 )

@@ -354,7 +354,3 @@ def text(value: Any) -> str:
 
 def as_bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
-
-
-def ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))

@@ -11,10 +11,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ...clocks import ms
 from ...exceptions import BackendUnavailable
 from ..base import BaseLockBackend, Grant
 from .aio import AsyncNode
-from .connections import CLIENT_ERRORS, Node, as_bytes, ms, text
+from .connections import CLIENT_ERRORS, Node, as_bytes, text
 from .scripts import ABANDON, ACQUIRE, EXTEND, KEEP, RELEASE, WAITER_LEASE_MS, Keys
 from .waiters import SELF_CHECK, handed_over, take_handed
 

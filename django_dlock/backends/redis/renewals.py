@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+from ...clocks import ms
 from ...exceptions import BackendUnavailable
 from .scripts import lock_key
 
@@ -33,7 +34,7 @@ class RedisRenewals:
             keys = [lock_key(tag, leases[i][0]) for i in indexes]
             args: list[Any] = []
             for i in indexes:
-                args += (leases[i][1], max(1, round(leases[i][2] * 1000)))
+                args += (leases[i][1], ms(leases[i][2]))
             try:
                 reply = self._single(leases[indexes[0]][0], _extend_many(keys, args))
             except BackendUnavailable as e:

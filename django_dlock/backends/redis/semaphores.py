@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..._validation import load_holders
+from ...clocks import ms
 from ...exceptions import BackendUnavailable
 from ..base import BaseLockBackend, Grant, LockInfo, ParkedTask, SlotEntry, micros_to_datetime
 from ..slots import SlotAttempt
@@ -126,7 +127,7 @@ class RedisSemaphores(BaseLockBackend):
     ) -> tuple[int | Grant | None, int]:
         """One SLOT_ACQUIRE: its result, and the ms until the semaphore may change (refused)."""
         keys = self.slot_keys(name).slots
-        args = [owner, name, _ms(ttl), holder, limit, weight]
+        args = [owner, name, ms(ttl), holder, limit, weight]
         sent = time.monotonic()
         reply = self._slot_script(name, SLOT_ACQUIRE, keys, args)
         if not isinstance(reply, list):
@@ -172,7 +173,7 @@ class RedisSemaphores(BaseLockBackend):
         return bool(self._slot_script(name, SLOT_RELEASE, [*keys.slots, marker], args))
 
     def do_extend_slot(self, name: str, owner: str, ttl: float) -> bool:
-        args = [owner, name, _ms(ttl)]
+        args = [owner, name, ms(ttl)]
         return bool(self._slot_script(name, SLOT_EXTEND, self.slot_keys(name).slots, args))
 
     def do_check_slot(self, name: str, owner: str) -> bool:
@@ -268,7 +269,3 @@ def parse_slot_list(alias: str, reply: list[Any]) -> list[SlotEntry]:
             entries.append(SlotEntry(name, limit, int(weight_s), info))
         entries.extend(SlotEntry(name, limit, int(w), None) for w in weights)
     return entries
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))

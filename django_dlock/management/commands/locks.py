@@ -32,8 +32,9 @@ from ..._validation import printable, validate_name
 from ...checks import backend_messages
 from ...exceptions import LockConfigurationError
 from ...handler import locks
+from ...lag import lag_notes
 from ...pings import ping_within
-from ...watchdog import lag_notes
+from .. import formatting
 
 NOTHING_MATCHED = 1
 USAGE = 2
@@ -246,7 +247,7 @@ class Command(BaseCommand):
         write("[", ending="")
         separator = ""
         with _collector_paused():
-            for piece in holders.iter_json(backend, prefix, now, errors):
+            for piece in formatting.iter_json(backend, prefix, now, errors):
                 write(separator + piece, ending="")
                 separator = ","
         write("]")
@@ -261,38 +262,16 @@ class Command(BaseCommand):
         with_errors: bool = False,
     ) -> str:
         """The listing as JSON or as a table; ``with_errors`` puts backends' errors first."""
-        now = listing.taken_at
         if as_json:
-            items = [holders.as_json(info, now) for info in listing.holders]
-            items += [holders.slot_as_json(slot, now) for slot in listing.slots]
-            return "[" + ",".join(items) + "]"
+            return formatting.listing_json(listing)
         lines = [
             self.style.ERROR(printable(f"{alias}: {self.failure(alias, error)}"))
             for alias, error in (listing.errors.items() if with_errors else ())
         ]
         if not listing.holders and not listing.slots:
-            # Only the backends that answered: a lock table not migrated
-            # holds no lock, but it does not say so either.
-            answered = [alias for alias in holders.aliases(backend) if alias not in listing.errors]
-            if not answered:
-                return "\n".join(lines)
-            where = f" on backend {backend!r}" if backend else ""
-            if listing.errors:
-                where = f" on backend(s) {', '.join(answered)}"
-            under = f" with names starting {prefix!r}" if prefix else ""
-            return "\n".join([*lines, f"No locks held{where}{under}."])
-        if listing.holders:
-            header, *rows = holders.table(
-                (holders.columns(info, now) for info in listing.holders), holders.COLUMNS
-            )
-            lines += [self.style.MIGRATE_HEADING(header), *rows]
-        if listing.slots:
-            header, *rows = holders.table(
-                (holders.slot_columns(slot, now) for slot in listing.slots), holders.SLOT_COLUMNS
-            )
-            lines += [""] if listing.holders else []
-            lines += [self.style.MIGRATE_HEADING(header), *rows]
-        return "\n".join(lines)
+            empty = formatting.nothing_held(listing, backend, prefix)
+            return "\n".join(lines + ([empty] if empty else []))
+        return "\n".join(lines + formatting.listing_tables(listing, self.style.MIGRATE_HEADING))
 
     def find_misconfigured(self, backend: str | None) -> dict[str, str]:
         """The backends asked for whose settings fail django-dlock's checks, with why.
@@ -327,10 +306,10 @@ class Command(BaseCommand):
         """
         for alias, error in errors.items():
             if alias not in self.misconfigured:
-                self.stderr.write(printable(f"{alias}: {holders.failure_text(error)}"))
+                self.stderr.write(printable(f"{alias}: {formatting.failure_text(error)}"))
 
     def failure(self, alias: str, error: Exception) -> str:
-        return self.misconfigured.get(alias) or holders.failure_text(error)
+        return self.misconfigured.get(alias) or formatting.failure_text(error)
 
     def fail_for(self, errors: dict[str, Exception]) -> None:
         if self.misconfigured:
@@ -377,21 +356,9 @@ class Command(BaseCommand):
         if as_json:
             self.stdout.write(self.render(listing, backend, "", as_json=True))
         for info in [] if as_json else listing.holders:
-            self.write_fields(holders.show_fields(info, now))
+            self.write_fields(formatting.show_fields(info, now))
         for slot in [] if as_json else listing.slots:
-            sem = slot.semaphore
-            fields = [
-                ("backend", sem.backend),
-                ("name", sem.name),
-                ("kind", sem.kind),
-                ("limit", holders.limit_label(sem) or "-"),
-                ("mode", slot.mode or "- (no holder)"),
-                ("waiting", str(sem.waiting)),
-                ("parked", str(sem.parked)),
-            ]
-            if slot.lease is not None:
-                fields += holders.show_fields(slot.lease, now)[2:]
-            self.write_fields(fields)
+            self.write_fields(formatting.slot_show_fields(slot, now))
         self.fail_for(listing.errors)
         if not listing.holders and not listing.slots:
             raise CommandError(f"{name!r} is not held{_on(backend)}.", returncode=NOTHING_MATCHED)
@@ -427,7 +394,7 @@ class Command(BaseCommand):
         if token is not None and all_slots:
             raise CommandError("Give --token or --all-slots, not both.", returncode=USAGE)
         if prefix is not None and not yes:
-            shown = f" --prefix {holders.shell_quote(prefix)}" if prefix else ""
+            shown = f" --prefix {formatting.shell_quote(prefix)}" if prefix else ""
             raise CommandError(
                 f"Breaking by {'--prefix' if prefix else '--all'} needs --yes. "
                 f"`manage.py locks list{shown}` shows what it would break.",
@@ -450,7 +417,9 @@ class Command(BaseCommand):
         if not listing.holders and not listing.slots:
             self.fail_for(listing.errors)
             if left:
-                raise CommandError(f"Nothing broken: {holders.slots_left(left)}", returncode=USAGE)
+                raise CommandError(
+                    f"Nothing broken: {formatting.slots_left(left)}", returncode=USAGE
+                )
             if token is not None:
                 what = f"{name!r} has no lease or slot with token {token}"
             elif name is not None:
@@ -475,10 +444,10 @@ class Command(BaseCommand):
                 self.write_errors({info.backend: e})
                 listing.errors[info.backend] = e
                 continue
-            where = f"'{holders.printable(info.name)}' on {info.backend} (token {info.token}"
+            where = f"'{printable(info.name)}' on {info.backend} (token {info.token}"
             if done:
                 broken += 1
-                label = holders.printable(holders.holder_label(info.holder))
+                label = printable(holders.holder_label(info.holder))
                 self.stdout.write(self.style.SUCCESS(f"Broke {where}, held by {label})."))
             else:
                 self.stdout.write(
@@ -495,19 +464,19 @@ class Command(BaseCommand):
                 listing.errors[lease.backend] = e
                 continue
             where = (
-                f"{holders.slot_label(slot)} '{holders.printable(lease.name)}' "
+                f"{holders.slot_label(slot)} '{printable(lease.name)}' "
                 f"on {lease.backend} (token {lease.token}"
             )
             if done:
                 broken += 1
-                label = holders.printable(holders.holder_label(lease.holder))
+                label = printable(holders.holder_label(lease.holder))
                 self.stdout.write(self.style.SUCCESS(f"Freed {where}, held by {label})."))
             else:
                 self.stdout.write(
                     self.style.WARNING(f"Left {where}): released or expired since listed.")
                 )
         if left:
-            self.stdout.write(self.style.WARNING(f"Left alone: {holders.slots_left(left)}"))
+            self.stdout.write(self.style.WARNING(f"Left alone: {formatting.slots_left(left)}"))
         if broken == 0:
             self.fail_for(listing.errors)
             raise CommandError("Nothing broken.", returncode=NOTHING_MATCHED)
@@ -545,7 +514,7 @@ class Command(BaseCommand):
                 result["class"] = backend_obj.path
                 status = ping_within(backend_obj, timeout)
             except Exception as e:  # reported by alias, never a traceback
-                result["error"] = holders.failure_text(e)
+                result["error"] = formatting.failure_text(e)
             else:
                 result.update(
                     ok=True,
@@ -557,30 +526,13 @@ class Command(BaseCommand):
                     result["warnings"] += lag_notes(backend_obj)
                 except Exception as e:
                     result["warnings"].append(
-                        f"could not read the watchdogs' lag notes: {holders.failure_text(e)}"
+                        f"could not read the watchdogs' lag notes: {formatting.failure_text(e)}"
                     )
             results.append(result)
         if as_json:
             self.stdout.write(json.dumps(results))
         else:
-            rows = []
-            for r in results:
-                if r["ok"]:
-                    state = "ok" + (f", {len(r['warnings'])} warning(s)" if r["warnings"] else "")
-                    rows.append(
-                        (
-                            r["backend"],
-                            r["class"],
-                            r["version"],
-                            f"{r['latency_ms']:.1f} ms",
-                            state,
-                        )
-                    )
-                else:
-                    rows.append((r["backend"], r["class"], "-", "-", "FAILED"))
-            header, *lines = holders.table(
-                rows, ("BACKEND", "CLASS", "SERVER", "ROUND TRIP", "STATUS")
-            )
+            header, *lines = formatting.check_table(results)
             self.stdout.write(self.style.MIGRATE_HEADING(header))
             for line, r in zip(lines, results, strict=True):
                 style = self.style.SUCCESS if r["ok"] and not r["warnings"] else self.style.WARNING
