@@ -143,8 +143,6 @@ OVER_LIMIT_FOR_NOW = {
     "django_dlock.backends.attempts",
     "django_dlock.backends.base",
     "django_dlock.backends.etcd.backend",
-    "django_dlock.backends.redis.backend",
-    "django_dlock.celery",
     "django_dlock.handle",
 }
 
