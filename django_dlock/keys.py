@@ -28,8 +28,9 @@ from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any, Protocol
 
-#: The key template of the lock being acquired in this context, if its name
-#: was made from one: what metrics and traces label it by (``HeldLock.template``).
+#: Marked for removal: the key template reaches the lease as ``acquire(...,
+#: template=)`` (``@lock`` passes it). Read only when no template is passed,
+#: until the task adapters (celery.py, task_framework.py) pass theirs.
 acquiring_template: ContextVar[str | None] = ContextVar("django_dlock_template", default=None)
 
 

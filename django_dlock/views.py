@@ -39,7 +39,7 @@ from ._validation import validate_name
 from .exceptions import LockTimeout
 from .handle import HeldLock
 from .handler import locks
-from .keys import KeyTemplate, templated
+from .keys import KeyTemplate
 from .lock import Lock
 from .semaphores import Semaphore
 from .transactions import open_transactions, release_at_transactions_end
@@ -158,8 +158,7 @@ class _Guard:
     ) -> Any:
         name = self.name_for(request, view_kwargs)
         try:
-            with templated(self.template.template):
-                held = self.lock.acquire_handle(name=name)
+            held = self.lock.acquire_handle(name=name, template=self.template.template)
         except LockTimeout:
             return locked_response(name, self.backend, self.status, limit=self.limit)
         try:
@@ -188,8 +187,8 @@ class _Guard:
     ) -> Any:
         name = self.name_for(request, view_kwargs)
         try:
-            with templated(self.template.template):
-                held = await self.lock.aacquire_handle(name=name)  # native where the backend is
+            # Native where the backend is.
+            held = await self.lock.aacquire_handle(name=name, template=self.template.template)
         except LockTimeout:
             # On the backend's own threads: under load the loop's default
             # executor is busy, and this answer must not wait for it.

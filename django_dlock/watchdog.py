@@ -53,7 +53,8 @@ from .renewer import WAITED as WAITED
 from .renewer import lag_notes as lag_notes
 
 if TYPE_CHECKING:
-    from .handle import HeldLock
+    # The handle's side the watchdog uses, named as the handle it is.
+    from .backends.protocol import Renewable as HeldLock
 
 logger = logging.getLogger("django_dlock")
 

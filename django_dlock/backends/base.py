@@ -65,30 +65,10 @@ to ``do_acquire``; ``docs/development.md`` walks through writing one.
     Release a handed-over lease that nobody adopted; owner-checked like
     ``do_release`` (the default calls it), so it is False once adopted.
 
-Semaphores and read/write locks (``slots.py``; a backend that has them sets
-``supports_semaphores``) live in a keyspace of their own, apart from the
-mutexes, and have primitives of their own, all atomic on the service:
+Semaphores and read/write locks are an opt-in part of the contract,
+:class:`~.semaphore_backend.SemaphoreBackend`, whose primitives are
+documented there.
 
-``do_acquire_slot(name, owner, ttl, holder, renew, limit, weight)``
-    Drop the holders and waiters of semaphore ``name`` whose leases ended by
-    the service's clock. If a live holder or waiter has another limit, raise
-    ``self.limit_mismatch(name, limit, theirs)``. Grant ``owner`` a slot
-    (as ``do_acquire``: a token from the name's fencing counter, a lease of
-    ``ttl``, ``holder`` stored) if the weights held plus ``weight`` fit in
-    ``limit`` and, when ``weight < limit``, no other owner waits with
-    ``weight == limit`` (a writer: a waiting writer stops new readers);
-    granted, ``owner``'s waiter record goes. Refused, record or refresh
-    ``owner`` as a waiter (``weight``, ``limit``, ending ``ttl`` from now) and
-    return None. A backend that queues waiters (etcd) grants in arrival order.
-``do_leave_slot(name, owner)``
-    Forget ``owner``'s waiter record (the attempt gave up).
-``do_release_slot`` / ``do_extend_slot`` / ``do_check_slot``
-    As ``do_release``/``do_extend``/``do_check``, for ``owner``'s slot.
-``do_break_slot(name, token)``
-    Delete the slot with fencing token ``token`` (None: every slot of
-    ``name``); return how many went.
-``do_list_slots(prefix)``
-    The live holders and waiters of semaphores whose names start with ``prefix``.
 ``do_park(name, key, order, payload)`` / ``do_unpark(name, count)``
 ``do_unpark_key(name, key)`` / ``do_list_parked(prefix)``
     The queue of Celery tasks parked on semaphore ``name``: add or replace
@@ -129,22 +109,18 @@ from ..exceptions import (
     BackendUnavailable,
     InvalidLockOption,
     InvalidTTL,
-    LimitMismatch,
     LockConfigurationError,
     LockNotOwned,
 )
-from ..handle import HeldLock, Ticket
-from ..lock import Lock
+from ..handle import HeldLock
+from ..keys import acquiring_template
 from ..signals import lock_broken
-from .attempts import (
-    BACKOFF_CEILING,
-    OUTAGE_BACKOFF_CEILING,
-    Attempt,
-    backoff,
-    outage_backoff,
-)
+from ..tickets import Ticket
+from .attempts import Attempt
+from .backoff import BACKOFF_CEILING, OUTAGE_BACKOFF_CEILING, backoff, outage_backoff
 from .capabilities import RenamedCapabilities
 from .offload import Handoff, Offload, release_unwanted, retrieve_outcome
+from .ops import MutexOps, SlotOps
 from .probe import probe
 from .types import (
     Grant,
@@ -204,12 +180,9 @@ class BaseLockBackend(RenamedCapabilities):
     uses_django_connections: ClassVar[bool] = False
     #: What one acquisition makes: try, wait, give up (see ``attempts.py``).
     attempt_class: ClassVar[type[Attempt]] = Attempt
-    #: Does it keep semaphores and read/write locks (the ``*_slot`` primitives)?
+    #: Does it keep semaphores and read/write locks? True on a
+    #: :class:`~.semaphore_backend.SemaphoreBackend` (the ``*_slot`` primitives).
     supports_semaphores: ClassVar[bool] = False
-    #: Are a semaphore's waiters granted in the order they first asked?
-    supports_fair_semaphores: ClassVar[bool] = False
-    #: What one acquisition of a semaphore makes (None: ``slots.SlotAttempt``).
-    slot_attempt_class: ClassVar[type[Attempt] | None] = None
     #: How many leases one ``do_extend_many`` call renews at most.
     renew_batch: ClassVar[int] = 50
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
@@ -303,11 +276,6 @@ class BaseLockBackend(RenamedCapabilities):
     def do_extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | Exception]:
         return extend_each(self.do_extend, leases)
 
-    def do_extend_slots_many(
-        self, leases: Sequence[tuple[str, str, float]]
-    ) -> list[bool | Exception]:
-        return extend_each(self.do_extend_slot, leases)
-
     def do_break(self, name: str, token: int | None) -> bool:
         raise NotImplementedError
 
@@ -334,31 +302,6 @@ class BaseLockBackend(RenamedCapabilities):
         """Release a lease ``do_detach`` handed over, if ``owner`` still holds it."""
         return self.do_release(name, owner)
 
-    # --- semaphores and read/write locks: see the module docstring -----------------------
-
-    def do_acquire_slot(
-        self, name: str, owner: str, ttl: float, holder: str, renew: bool, limit: int, weight: int
-    ) -> int | Grant | None:
-        raise NotImplementedError
-
-    def do_leave_slot(self, name: str, owner: str) -> None:
-        raise NotImplementedError
-
-    def do_release_slot(self, name: str, owner: str) -> bool:
-        raise NotImplementedError
-
-    def do_extend_slot(self, name: str, owner: str, ttl: float) -> bool:
-        raise NotImplementedError
-
-    def do_check_slot(self, name: str, owner: str) -> bool:
-        raise NotImplementedError
-
-    def do_break_slot(self, name: str, token: int | None) -> int:
-        raise NotImplementedError
-
-    def do_list_slots(self, prefix: str) -> list[SlotEntry]:
-        raise NotImplementedError
-
     def do_park(self, name: str, key: str, order: int, payload: str) -> None:
         raise NotImplementedError
 
@@ -370,20 +313,6 @@ class BaseLockBackend(RenamedCapabilities):
 
     def do_list_parked(self, prefix: str) -> list[ParkedTask]:
         raise NotImplementedError
-
-    def limit_mismatch(self, name: str, limit: int, held_limit: int) -> LimitMismatch:
-        """The error ``do_acquire_slot`` raises when ``name`` is held with another limit."""
-        from .slots import describe_limit
-
-        return LimitMismatch(
-            f"Semaphore {name!r} on backend {self.alias!r} is held as "
-            f"{describe_limit(held_limit)}, not as {describe_limit(limit)}: release "
-            "its holders (or let their leases end) before changing its limit.",
-            name=name,
-            backend=self.alias,
-            limit=limit,
-            held_limit=held_limit,
-        )
 
     def check(self) -> list[CheckMessage]:
         """Backend-specific system check messages (static: no network)."""
@@ -422,8 +351,19 @@ class BaseLockBackend(RenamedCapabilities):
         timeout: float | None = None,
         metadata: Mapping[str, Any] | None = None,
         renew: bool = True,
+        limit: int | None = None,
+        weight: int = 1,
+        template: str | None = None,
     ) -> HeldLock:
         """Acquire ``name``, waiting up to ``timeout`` seconds (None: forever, 0: one try).
+
+        Every lease enters here. ``limit=None`` is a mutex; otherwise a slot
+        of ``weight`` in the semaphore of ``limit`` (``Semaphore`` and
+        ``RWLock`` call this; a read/write lock is the semaphore of
+        ``slots.RW_LIMIT``, a writer weighing all of it). ``limit`` on a
+        backend without semaphores raises ``LockConfigurationError`` before
+        any I/O. ``template`` is the key template ``name`` was made from, if
+        any: what metrics and traces label the lease by (``HeldLock.template``).
 
         Raises :class:`~django_dlock.LockTimeout` when the deadline passes first.
         While the lock service is unavailable the attempt is retried with
@@ -432,13 +372,10 @@ class BaseLockBackend(RenamedCapabilities):
         fails fast, and errors no retry can fix (a wrong password) are raised
         at once.
         """
-        return self._acquire(
-            validate_name(name),
-            None if ttl is None else validate_ttl(ttl),
-            validate_timeout(timeout),
-            metadata,
-            renew,
+        _, attempt, timeout, deadline = self._begin(
+            name, ttl, timeout, metadata, renew, limit, weight, template
         )
+        return attempt.run(timeout, deadline)
 
     async def aacquire(
         self,
@@ -448,51 +385,15 @@ class BaseLockBackend(RenamedCapabilities):
         timeout: float | None = None,
         metadata: Mapping[str, Any] | None = None,
         renew: bool = True,
+        limit: int | None = None,
+        weight: int = 1,
+        template: str | None = None,
     ) -> HeldLock:
-        """:meth:`acquire`, awaited: with ``native_async``, no blocking call."""
-        return await self._aacquire(
-            validate_name(name),
-            None if ttl is None else validate_ttl(ttl),
-            validate_timeout(timeout),
-            metadata,
-            renew,
+        """:meth:`acquire`, awaited: with native async, no blocking call."""
+        ops, attempt, timeout, deadline = self._begin(
+            name, ttl, timeout, metadata, renew, limit, weight, template
         )
-
-    def attempt(
-        self, name: str, owner: str, ttl: float, holder: tuple[dict[str, Any], str], renew: bool
-    ) -> Attempt:
-        """A new :class:`~.attempts.Attempt` of this backend's ``attempt_class``."""
-        return self.attempt_class(self, name, owner, ttl, holder, renew)
-
-    def _acquire(
-        self,
-        name: str,
-        ttl: float | None,
-        timeout: float | None,
-        metadata: Mapping[str, Any] | None,
-        renew: bool,
-    ) -> HeldLock:
-        """``acquire()`` with its arguments validated."""
-        if ttl is None:
-            ttl = self.default_ttl
-        deadline = None if timeout is None else time.monotonic() + timeout
-        attempt = self.attempt(name, new_owner(), ttl, holder_metadata(ttl, metadata), renew)
-        return attempt.run(timeout, deadline)
-
-    async def _aacquire(
-        self,
-        name: str,
-        ttl: float | None,
-        timeout: float | None,
-        metadata: Mapping[str, Any] | None,
-        renew: bool,
-    ) -> HeldLock:
-        """``aacquire()`` with its arguments validated."""
-        if ttl is None:
-            ttl = self.default_ttl
-        deadline = None if timeout is None else time.monotonic() + timeout
-        attempt = self.attempt(name, new_owner(), ttl, holder_metadata(ttl, metadata), renew)
-        if self.native_async:
+        if ops.native_async:
             return await attempt.arun(timeout, deadline)
         if attempt.waits_on_loop:
             # Tries in threads, waits on the event loop: no thread is held
@@ -517,12 +418,55 @@ class BaseLockBackend(RenamedCapabilities):
             acquiring.add_done_callback(release_unwanted if release else retrieve_outcome)
             raise
 
+    def ops(self, limit: int | None = None, weight: int = 1) -> MutexOps | SlotOps:
+        """The kind of lease ``limit`` and ``weight`` name on this backend (``ops.py``).
+
+        Here, a mutex: a ``limit`` raises ``LockConfigurationError``, naming
+        the alias, before any I/O. A :class:`~.semaphore_backend.SemaphoreBackend`
+        gives a semaphore's slot for one.
+        """
+        if limit is not None:
+            raise self._no_semaphores("limit=")
+        return MutexOps(self)
+
+    def _no_semaphores(self, what: str) -> LockConfigurationError:
+        return LockConfigurationError(
+            f"Lock backend {self.alias!r} ({self.path}) has no semaphores or read/write "
+            f"locks: {what} needs a backend that has them (supports_semaphores).",
+            alias=self.alias,
+        )
+
+    def _begin(
+        self,
+        name: str,
+        ttl: float | None,
+        timeout: float | None,
+        metadata: Mapping[str, Any] | None,
+        renew: bool,
+        limit: int | None,
+        weight: int,
+        template: str | None,
+    ) -> tuple[MutexOps | SlotOps, Attempt, float | None, float | None]:
+        """The checked arguments' lease kind, its attempt and deadline; no I/O."""
+        name = validate_name(name)
+        ttl = self.default_ttl if ttl is None else validate_ttl(ttl)
+        timeout = validate_timeout(timeout)
+        ops = self.ops(limit, weight)
+        if template is None:
+            # Until the task adapters pass template= (keys.templated, marked for removal).
+            template = acquiring_template.get()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        holder = holder_metadata(ttl, metadata)
+        attempt = ops.attempt(name, new_owner(), ttl, holder, renew, template)
+        return ops, attempt, timeout, deadline
+
     def adopt(
         self,
         ticket: Mapping[str, Any],
         *,
         ttl: float | None = None,
         renew: bool = True,
+        template: str | None = None,
     ) -> HeldLock:
         """Take up a lease that :meth:`HeldLock.detach` handed over, in this or another process.
 
@@ -544,8 +488,9 @@ class BaseLockBackend(RenamedCapabilities):
                 backend=self.alias,
             )
         return HeldLock(
-            self, t.name, adopter, t.token,
+            self, MutexOps(self), t.name, adopter, t.token,
             ttl=ttl, expires=sent + ttl, lease=ttl, holder=t.holder, renew=renew, adopted=True,
+            template=acquiring_template.get() if template is None else template,
         )  # fmt: skip
 
     def release_ticket(self, ticket: Mapping[str, Any]) -> bool:
@@ -567,10 +512,6 @@ class BaseLockBackend(RenamedCapabilities):
         as gone that much earlier. Redlock counts its masters' drift here.
         """
         return 0.0
-
-    def lock(self, name: str, **kwargs: Any) -> Lock:
-        """``lock(name, backend=<this alias>, **kwargs)``."""
-        return Lock(name, backend=self.alias, **kwargs)
 
     def list(self, prefix: str = "") -> list[LockInfo]:
         """Live leases whose names start with ``prefix``, sorted by name."""
@@ -615,29 +556,25 @@ class BaseLockBackend(RenamedCapabilities):
             lock_broken.send(sender=type(self), backend=self.alias, name=name, token=token)
         return broken
 
+    # --- semaphores: none here; a SemaphoreBackend overrides these -------------------
+
     def semaphores(self, prefix: str = "") -> builtins.list[SemaphoreInfo]:
-        """Semaphores and read/write locks whose names start with ``prefix``, sorted by name.
+        """Semaphores and read/write locks under ``prefix``: none on a backend without them.
 
-        Each with its limit, its holders (by fencing token), how many wait,
-        and how many Celery tasks are parked on it.
+        A :class:`~.semaphore_backend.SemaphoreBackend` lists them.
         """
-        from .slots import list_semaphores
+        validate_name(prefix, what="A lock name prefix")
+        return []
 
-        return list_semaphores(self, validate_name(prefix, what="A lock name prefix"))
+    def semaphore(self, name: str) -> SemaphoreInfo | None:
+        """The semaphore or read/write lock ``name``: None on a backend without them."""
+        validate_name(name)
+        return None
 
     def break_slot(self, name: str, token: int | None = None) -> int:
-        """Free the slot of semaphore (or read/write lock) ``name`` with fencing token ``token``.
-
-        None frees every slot. Returns how many were freed; their holders
-        find out as a mutex's do (``LockLost``).
-        """
-        name = validate_name(name)
-        if token is not None and (isinstance(token, bool) or not isinstance(token, int)):
-            raise TypeError(f"token must be an int or None, not {type(token).__name__}.")
-        broken = self.do_break_slot(name, token)
-        if broken:
-            lock_broken.send(sender=type(self), backend=self.alias, name=name, token=token)
-        return broken
+        """Free a semaphore's slot; a backend without semaphores has none to free."""
+        validate_name(name)
+        raise self._no_semaphores("break_slot()")
 
     def ping(self) -> ServerStatus:
         """Version and round trip, then a probe lease (probe.py); or ``BackendUnavailable``."""

@@ -48,7 +48,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from .._validation import load_holder, micros_to_datetime
 from ..commit_hooks import at_transaction_end
 from ..exceptions import LockInTransaction
-from .base import BaseLockBackend, LockInfo, ParkedTask, SlotEntry
+from .base import LockInfo, ParkedTask, SlotEntry
+from .semaphore_backend import SemaphoreBackend
 from .sql import BINARY, IDLE_IN_TRANSACTION, SERVER_CLOCK, Busy, micros, wall_us
 
 T = TypeVar("T")
@@ -139,10 +140,9 @@ class _SQL:
         self.list_parked = f"SELECT name, call_id, place, payload FROM {parked} WHERE {in_prefix}"
 
 
-class DatabaseSlots(BaseLockBackend):
+class DatabaseSlots(SemaphoreBackend):
     """The ``*_slot`` and parking primitives of :class:`~.database.DatabaseBackend`."""
 
-    supports_semaphores = True
     supports_fair_semaphores = False
 
     if TYPE_CHECKING:

@@ -25,6 +25,7 @@ from etcd3 import etcdrpc as rpc
 from ..._validation import load_holder
 from ...exceptions import BackendUnavailable, LockNotOwned
 from ..base import Attempt, BaseLockBackend, Grant, LockInfo
+from ..ops import MutexOps
 from .epochs import Epochs
 from .renewals import EtcdRenewals
 from .sessions import Entry, Lease, Sessions, lease_seconds
@@ -66,7 +67,7 @@ def _close_at_exit() -> None:
         # The leases are revoked here, as the process ends: a renewal that
         # came after would find them gone and report each lost (lock_lost).
         for held in watchdog.scheduled(backend.alias):
-            if getattr(held.backend, "base", held.backend) is backend:
+            if held.backend is backend:
                 watchdog.cancel(held)
         backend.close()
 
@@ -227,7 +228,7 @@ class EtcdBackend(EtcdRenewals, EtcdSlots, BaseLockBackend):
         self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
     ) -> int | Grant | None:
         """One attempt on its own, going on from ``owner``'s queued key if it has one."""
-        attempt = EtcdAttempt(self, name, owner, ttl, ({}, holder), renew)
+        attempt = EtcdAttempt(MutexOps(self), name, owner, ttl, ({}, holder), renew)
         attempt.entry = self.state.entries.get(owner)
         return self._try_acquire(attempt)
 

@@ -41,7 +41,6 @@ from etcd3 import etcdrpc as rpc
 from ...exceptions import BackendUnavailable
 from ..attempts import Attempt
 from ..base import (
-    BaseLockBackend,
     Grant,
     LockInfo,
     ParkedTask,
@@ -49,6 +48,7 @@ from ..base import (
     load_holder,
     micros_to_datetime,
 )
+from ..semaphore_backend import SemaphoreBackend
 from ..slots import SlotAttempt, wall_micros
 from .sessions import Entry, Sessions
 from .transport import (
@@ -83,12 +83,11 @@ class EtcdSlotAttempt(SlotAttempt):
 
     #: The revision at which the last try looked (0: try again at once).
     revision: int = 0
+    backend: EtcdSlots
 
     def try_acquire(self) -> int | Grant | None:
-        view = self.backend
-        slots: EtcdSlots = view.base  # type: ignore[assignment]
-        result, self.revision = slots.try_slot(
-            self.name, self.owner, self.ttl, self.holder[1], self.renew, view.limit, view.weight
+        result, self.revision = self.backend.try_slot(
+            self.name, self.owner, self.ttl, self.holder[1], self.renew, self.limit, self.weight
         )
         return result
 
@@ -99,14 +98,12 @@ class EtcdSlotAttempt(SlotAttempt):
         bound = self.ttl / 3
         timeout = bound if remaining is None else min(remaining, bound)
         if timeout > 0:
-            slots: EtcdSlots = self.backend.base  # type: ignore[assignment]
-            slots.watch_slots(self.name, self.revision, timeout, self)
+            self.backend.watch_slots(self.name, self.revision, timeout, self)
 
 
-class EtcdSlots(BaseLockBackend):
+class EtcdSlots(SemaphoreBackend):
     """The ``*_slot`` and parking primitives of :class:`~.backend.EtcdBackend`."""
 
-    supports_semaphores = True
     supports_fair_semaphores = True
     slot_attempt_class = EtcdSlotAttempt
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..._validation import load_holders
 from ...exceptions import BackendUnavailable
-from ..base import BaseLockBackend, Grant, LockInfo, ParkedTask, SlotEntry, micros_to_datetime
+from ..base import Grant, LockInfo, ParkedTask, SlotEntry, micros_to_datetime
+from ..semaphore_backend import SemaphoreBackend
 from ..slots import SlotAttempt
 from .connections import CLIENT_ERRORS, Node, text
 from .listing import lex_range
@@ -51,16 +52,15 @@ class RedisSlotAttempt(SlotAttempt):
     #: latest refusal (0: unknown).
     change_ms: int = 0
 
+    backend: RedisSemaphores
+
     @property
     def redis(self) -> RedisSemaphores:
-        base = self.backend.base
-        assert isinstance(base, RedisSemaphores)
-        return base
+        return self.backend
 
     def try_acquire(self) -> int | Grant | None:
-        view = self.backend
         result, self.change_ms = self.redis.acquire_slot(
-            self.name, self.owner, self.ttl, self.holder[1], view.limit, view.weight
+            self.name, self.owner, self.ttl, self.holder[1], self.limit, self.weight
         )
         return result
 
@@ -82,10 +82,9 @@ class SlotKeys:
     park: list[str]
 
 
-class RedisSemaphores(BaseLockBackend):
+class RedisSemaphores(SemaphoreBackend):
     """The ``*_slot`` and ``*park*`` primitives of :class:`~.backend.RedisBackend`."""
 
-    supports_semaphores = True
     slot_attempt_class = RedisSlotAttempt
 
     if TYPE_CHECKING:
