@@ -22,8 +22,9 @@ from ..exceptions import LimitMismatch
 from ..signals import lock_broken
 from .attempts import Attempt
 from .base import BaseLockBackend
+from .limits import RW_LIMIT, describe_limit, validate_limit
 from .ops import MutexOps, SlotOps
-from .slots import describe_limit, list_semaphores, validate_limit
+from .slots import list_semaphores
 from .types import Grant, SemaphoreInfo, SlotEntry, extend_each
 
 
@@ -125,7 +126,8 @@ class SemaphoreBackend(BaseLockBackend):
         """A mutex for ``limit=None``, else a slot of ``weight`` in the semaphore of ``limit``."""
         if limit is None or not self.supports_semaphores:
             return super().ops(limit, weight)
-        limit = validate_limit(limit)
+        if limit != RW_LIMIT:  # a read/write lock's is past MAX_LIMIT
+            limit = validate_limit(limit)
         if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= limit:
             raise ValueError(f"weight must be an int from 1 to the limit, not {weight!r}.")
         return SlotOps(self, limit, weight)
