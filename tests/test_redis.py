@@ -34,11 +34,11 @@ from django_dlock.backends.redis import (
     SIGNAL_TTL_MS,
     WAITER_LEASE_MS,
     RedisBackend,
+    RedisLocks,
     RedlockBackend,
     scripts,
     slot_scripts,
 )
-from django_dlock.backends.slots import SlotView
 from django_dlock.checks import check_backends
 from django_dlock.exceptions import LockConfigurationError
 from tests.netproxy import Proxy
@@ -459,7 +459,7 @@ def test_get_reads_the_lease_on_exactly_one_name(
     alias: str, name: str, redis_servers: dict[str, Any]
 ) -> None:
     backend = locks[alias]
-    assert isinstance(backend, RedisBackend)
+    assert isinstance(backend, RedisLocks)
     assert backend.do_get(name) is None
     with lock(f"{name}:child", backend=alias):
         assert backend.do_get(name) is None  # a name, not a prefix
@@ -983,7 +983,7 @@ def _lease_end(alias: str, name: str) -> float:
     three down, that ends at the earlier expiry of the two live ones.
     """
     backend = locks[alias]
-    assert isinstance(backend, RedisBackend)
+    assert isinstance(backend, RedisLocks)
     ends = []
     for node in backend.nodes:
         before = time.monotonic()
@@ -1242,9 +1242,8 @@ def test_a_resent_unpark_loses_no_task(stalled: _Stalled, name: str) -> None:
 
 def test_a_resent_slot_release_is_not_reported_lost(stalled: _Stalled, name: str) -> None:
     backend = stalled.backend("stall", socket_timeout=0.3)
-    view = SlotView(backend, 2, 1)
-    view.acquire("warm-up", timeout=0).release()
-    held = view.acquire(name, ttl=30, renew=False)
+    backend.acquire("warm-up", limit=2, timeout=0).release()
+    held = backend.acquire(name, limit=2, ttl=30, renew=False)
     stalled.stall(0.4)
     assert backend.do_release_slot(name, held.owner) is True
     assert backend.semaphores(name) == []

@@ -1,84 +1,21 @@
-"""The backend contract.
+"""The backend contract: :class:`BaseLockBackend`, and its mutex primitives.
 
 The base class owns everything that must behave the same on every backend:
 validating settings, owner tokens, deadlines on ``time.monotonic()``, the
 blocking loop (:class:`~.attempts.Attempt`), holder metadata, signals and the
 watchdog (through :class:`~django_dlock.handle.HeldLock`). A backend implements
 only atomic, single-step primitives, as redis-py's ``Lock.acquire`` delegates
-to ``do_acquire``; ``docs/development.md`` walks through writing one.
+to ``do_acquire``: each is documented, with its rule, at its stub below;
+``docs/development.md`` walks through writing one.
 
-``do_acquire(name, owner, ttl, holder, renew=True)``
-    One atomic attempt. If the lock is free or its lease has expired by the
-    service's clock, grant it to ``owner`` for ``ttl`` seconds, advance the
-    per-name fencing counter and store ``holder`` (JSON text); return the new
-    fencing token. Otherwise return None. A backend that learns of a lease
-    granted some other way (handed over by the previous holder, or found on a
-    retry) returns a :class:`Grant` saying when that lease ends. ``renew``
-    says whether the watchdog will renew the lease; a backend whose leases
-    are shared between locks (etcd) gives one that will not be renewed a
-    lease of its own, so that it still ends after ``ttl``.
-``do_release(name, owner)`` / ``do_extend(name, owner, ttl)`` / ``do_check(name, owner)``
-    Compare the owner on the server, atomically with the change; return
-    whether ``owner`` held a live lease.
-``do_break(name, token)``
-    Delete the live lease whoever holds it, or only if its fencing token is
-    ``token`` when that is not None; return whether a lease was deleted.
-``do_list(prefix)``
-    The live leases whose names start with ``prefix``.
-``do_iter_list(prefix)``
-    The same, sorted by name, as an iterator (``manage.py locks --json``
-    writes each lease as it comes). The default sorts ``do_list``; a backend
-    that can read its leases in name order, a page at a time, yields them so
-    (Redis), and a listing then takes memory for a page, not for every lease.
-``do_get(name)``
-    The live lease on exactly ``name`` (a :class:`LockInfo`, as ``do_list``
-    gives it), or None; one lookup, not a listing by prefix.
-``ado_release`` / ``ado_extend`` / ``ado_check``
-    The same, awaitable, for the async API. The defaults run the sync
-    primitive in a thread of the backend's own ``ops`` executor, never the
-    event loop's default one, where waiting acquisitions would hold it up
-    (``offload.py``); a backend that sets ``native_async`` talks to the
-    service from the event loop (Redis on one server).
-``do_extend_many(leases)`` / ``do_extend_slots_many(leases)``
-    Renew up to ``renew_batch`` leases ``(name, owner, ttl)``; per lease, what
-    ``do_extend`` would return, or raise. Defaults: one lease at a time.
-``do_ping()``
-    One round trip to the service; return its name and version
-    (``"Redis 7.0.15"``) and warnings about parts of it that did not answer
-    although locking still works (a Redlock master). Raise
-    ``BackendUnavailable`` if it cannot lock.
-``attempt_class``
-    The :class:`~.attempts.Attempt` that one acquisition makes: its
-    ``try_acquire()`` calls ``do_acquire``, its ``wait(remaining)`` backs off
-    with jitter and its ``abandon()`` does nothing. A backend that can wake a
-    waiter, or queues waiters, subclasses it and keeps what one acquisition
-    learns on that object (with ``native_async``, also its awaitable twins).
-``do_detach(name, owner)`` / ``do_adopt(name, owner, new_owner, ttl, state)``
-    Hand a held lease to another process: ``do_detach`` forgets it here
-    without releasing it and returns what another process needs to keep it
-    (JSON-serializable; the default: nothing, the owner token is enough).
-    ``do_adopt`` moves the live lease of ``owner`` to ``new_owner`` and makes
-    it run ``ttl`` seconds from now, in one atomic step on the service;
-    it returns False if ``owner`` no longer holds it (it ran out, was broken,
-    or was adopted already), so that one ticket is adopted at most once.
-``do_release_ticket(name, owner, state)``
-    Release a handed-over lease that nobody adopted; owner-checked like
-    ``do_release`` (the default calls it), so it is False once adopted.
-
-Semaphores and read/write locks are an opt-in part of the contract,
-:class:`~.semaphore_backend.SemaphoreBackend`, whose primitives are
-documented there.
-
-``do_park(name, key, order, payload)`` / ``do_unpark(name, count)``
-``do_unpark_key(name, key)`` / ``do_list_parked(prefix)``
-    The queue of Celery tasks parked on semaphore ``name``: add or replace
-    the entry ``key`` (kept until unparked: no lease); remove and return the
-    ``count`` entries of smallest ``order``; remove one entry; list them.
-
-Capabilities are declared as attributes (``supports_fair``,
-``supports_wakeups``, ``supports_multiprocess``, ``supports_shared_leases``),
-and the conformance suite skips, with the reason, what a backend declares it
-cannot do.
+Two parts of the contract are opt-in, each a class of its own that a backend
+derives from to declare it: semaphores and read/write locks
+(:class:`~.semaphore_backend.SemaphoreBackend`, ``supports_semaphores``) and
+the queues of parked Celery tasks (:class:`~.parking_backend.ParkingBackend`,
+``supports_parking``). Other capabilities are declared as attributes
+(``supports_fair``, ``supports_wakeups``, ``supports_multiprocess``,
+``supports_shared_leases``), and the conformance suite skips, with the
+reason, what a backend declares it cannot do.
 """
 
 from __future__ import annotations
@@ -178,11 +115,17 @@ class BaseLockBackend(RenamedCapabilities):
     #: Do its statements run on Django's database connections (which a
     #: rollback is still resetting when the callbacks it drops are freed)?
     uses_django_connections: ClassVar[bool] = False
-    #: What one acquisition makes: try, wait, give up (see ``attempts.py``).
+    #: The :class:`~.attempts.Attempt` one acquisition makes: its
+    #: ``try_acquire()`` calls ``do_acquire``, its ``wait()`` backs off with
+    #: jitter, its ``abandon()`` does nothing. A backend that wakes or queues
+    #: waiters subclasses it and keeps what one acquisition learns there.
     attempt_class: ClassVar[type[Attempt]] = Attempt
     #: Does it keep semaphores and read/write locks? True on a
     #: :class:`~.semaphore_backend.SemaphoreBackend` (the ``*_slot`` primitives).
     supports_semaphores: ClassVar[bool] = False
+    #: Does it keep queues of parked Celery tasks? True on a
+    #: :class:`~.parking_backend.ParkingBackend`.
+    supports_parking: ClassVar[bool] = False
     #: How many leases one ``do_extend_many`` call renews at most.
     renew_batch: ClassVar[int] = 50
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
@@ -257,62 +200,125 @@ class BaseLockBackend(RenamedCapabilities):
             raise self.config_error(f"OPTIONS[{key!r}] must be a positive, finite number.")
         return float(value)
 
-    # --- primitives -----------------------------------------------------------------
+    # --- the mutex primitives: each one atomic step on the service, by its clock ------
 
     def do_acquire(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
     ) -> int | Grant | None:
+        """One atomic attempt: grant ``name`` to ``owner`` if it is free or its lease ran out.
+
+        Granted: a lease of ``ttl`` seconds, the name's fencing counter
+        advanced (tokens never repeat, not even after the service lost its
+        data) and ``holder`` (JSON text) stored; return the token. Refused:
+        None. A lease learned of some other way (handed over by the previous
+        holder, or found on a retry) is a :class:`Grant` saying when it ends.
+        ``renew`` says whether the watchdog will renew it; a backend whose
+        leases are shared (etcd) gives one that will not be a lease of its own.
+        """
         raise NotImplementedError
 
     def do_release(self, name: str, owner: str) -> bool:
+        """Delete ``owner``'s live lease on ``name``, owner-checked in the same step.
+
+        Whether ``owner`` held a live lease.
+        """
         raise NotImplementedError
 
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
+        """Make ``owner``'s live lease run ``ttl`` seconds from now, owner-checked.
+
+        Whether ``owner`` held a live lease.
+        """
         raise NotImplementedError
 
     def do_check(self, name: str, owner: str) -> bool:
+        """Whether ``owner`` holds a live lease on ``name`` now (``held.ensure()``)."""
         raise NotImplementedError
 
     def do_extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | Exception]:
+        """Renew up to ``renew_batch`` leases ``(name, owner, ttl)``: per lease, as ``do_extend``.
+
+        Each lease's answer or its error. The default: one lease at a time.
+        """
         return extend_each(self.do_extend, leases)
 
     def do_break(self, name: str, token: int | None) -> bool:
+        """Delete the live lease on ``name`` whoever holds it; whether one went.
+
+        With ``token``, only if the lease's fencing token is ``token``, in the
+        same step.
+        """
         raise NotImplementedError
 
     def do_ping(self) -> tuple[str, tuple[str, ...]]:
+        """One round trip: the service and version (``"Redis 7.0.15"``) and warnings.
+
+        Warnings name parts that did not answer although locking works (a
+        Redlock master). Raise ``BackendUnavailable`` if it cannot lock.
+        """
         raise NotImplementedError
 
     def do_list(self, prefix: str) -> list[LockInfo]:
+        """The live leases whose names start with ``prefix``, in any order."""
         raise NotImplementedError
 
     def do_iter_list(self, prefix: str) -> Iterator[LockInfo]:
+        """``do_list``, sorted by name, as an iterator (``manage.py locks --json``).
+
+        The default sorts ``do_list``; a backend that reads its leases in name
+        order a page at a time (Redis) yields them so, in a page's memory.
+        """
         return iter(sorted(self.do_list(prefix), key=attrgetter("name")))
 
     def do_get(self, name: str) -> LockInfo | None:
+        """The live lease on exactly ``name``, as ``do_list`` gives it, or None; one lookup."""
         raise NotImplementedError
 
     def do_detach(self, name: str, owner: str) -> Any:
-        """Forget ``owner``'s lease here without releasing it; return what adopting needs."""
+        """Forget ``owner``'s lease here without releasing it; return what adopting needs.
+
+        JSON-serializable; the default: nothing, the owner token is enough.
+        """
         return None
 
     def do_adopt(self, name: str, owner: str, new_owner: str, ttl: float, state: Any) -> bool:
+        """Move ``owner``'s live lease to ``new_owner``, running ``ttl`` from now, in one step.
+
+        False if ``owner`` no longer holds it (it ran out, was broken or was
+        adopted already): one ticket is adopted at most once.
+        """
         raise NotImplementedError
 
     def do_release_ticket(self, name: str, owner: str, state: Any) -> bool:
-        """Release a lease ``do_detach`` handed over, if ``owner`` still holds it."""
+        """Release a lease ``do_detach`` handed over, if ``owner`` still holds it.
+
+        Owner-checked as ``do_release`` (the default calls it): False once adopted.
+        """
         return self.do_release(name, owner)
 
+    # --- parking: a ParkingBackend's part (parking_backend.py) -------------------------
+    # Kept here, as refusals, only while celery.py and parking.py call them on
+    # any backend: remove them once those type their callers against
+    # ParkingBackend (they check ``supports_parking`` first).
+
     def do_park(self, name: str, key: str, order: int, payload: str) -> None:
-        raise NotImplementedError
+        raise self._no_parking()
 
     def do_unpark(self, name: str, count: int) -> list[ParkedTask]:
-        raise NotImplementedError
+        raise self._no_parking()
 
     def do_unpark_key(self, name: str, key: str) -> bool:
-        raise NotImplementedError
+        raise self._no_parking()
 
     def do_list_parked(self, prefix: str) -> list[ParkedTask]:
-        raise NotImplementedError
+        raise self._no_parking()
+
+    def _no_parking(self) -> LockConfigurationError:
+        return LockConfigurationError(
+            f"Lock backend {self.alias!r} ({self.path}) keeps no parked tasks: "
+            "on_locked='defer' needs a backend that does (supports_parking).",
+            alias=self.alias,
+        )
 
     def check(self) -> list[CheckMessage]:
         """Backend-specific system check messages (static: no network)."""
@@ -331,6 +337,7 @@ class BaseLockBackend(RenamedCapabilities):
     native_async: bool = False
 
     async def ado_release(self, name: str, owner: str) -> bool:
+        """``do_release``, awaited: in a thread of the ``ops`` executor unless native."""
         return await asyncio.wrap_future(self.offload.submit("ops", self.do_release, name, owner))
 
     async def ado_extend(self, name: str, owner: str, ttl: float) -> bool:

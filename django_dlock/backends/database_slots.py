@@ -49,6 +49,7 @@ from .._validation import load_holder, micros_to_datetime
 from ..commit_hooks import at_transaction_end
 from ..exceptions import LockInTransaction
 from .base import LockInfo, ParkedTask, SlotEntry
+from .parking_backend import ParkingBackend
 from .semaphore_backend import SemaphoreBackend
 from .sql import BINARY, IDLE_IN_TRANSACTION, SERVER_CLOCK, Busy, micros, wall_us
 
@@ -140,7 +141,7 @@ class _SQL:
         self.list_parked = f"SELECT name, call_id, place, payload FROM {parked} WHERE {in_prefix}"
 
 
-class DatabaseSlots(SemaphoreBackend):
+class DatabaseSlots(SemaphoreBackend, ParkingBackend):
     """The ``*_slot`` and parking primitives of :class:`~.database.DatabaseBackend`."""
 
     supports_fair_semaphores = False

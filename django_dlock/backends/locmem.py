@@ -19,6 +19,7 @@ from typing import Any
 
 from .._validation import load_holder, micros_to_datetime
 from .base import Attempt, LockInfo, ParkedTask, SlotEntry
+from .parking_backend import ParkingBackend
 from .semaphore_backend import SemaphoreBackend
 from .slots import SlotAttempt
 
@@ -109,7 +110,7 @@ class LocMemSlotAttempt(SlotAttempt):
             backend._store.cond.wait(max(0.0, min(bound, first_end - now)))
 
 
-class LocMemBackend(SemaphoreBackend):
+class LocMemBackend(SemaphoreBackend, ParkingBackend):
     supports_wakeups = True
     attempt_class = LocMemAttempt
     supports_multiprocess = False

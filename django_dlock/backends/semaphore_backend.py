@@ -36,10 +36,15 @@ class SemaphoreBackend(BaseLockBackend):
     supports_fair_semaphores: ClassVar[bool] = False
     #: What one acquisition of a slot makes (None: ``slots.SlotAttempt``).
     slot_attempt_class: ClassVar[type[Attempt] | None] = None
-    #: Do the awaitable slot primitives (and the slot attempt's) talk to the
-    #: service from the event loop? Otherwise an async acquisition of a slot
-    #: runs in the backend's own threads. (Redis on one server: per instance.)
-    native_async_slots: bool = False
+
+    @property
+    def native_async_slots(self) -> bool:
+        """Do the awaitable slot primitives (and the slot attempt's) talk from the event loop?
+
+        Otherwise an async acquisition of a slot tries in the backend's own
+        threads. Redis on one server says yes (``redis/semaphores_aio.py``).
+        """
+        return False
 
     def do_acquire_slot(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool, limit: int, weight: int
@@ -92,6 +97,9 @@ class SemaphoreBackend(BaseLockBackend):
 
     # The awaitable slot primitives: in a thread of the ``ops`` executor
     # unless the backend has native ones (``native_async_slots``).
+
+    async def ado_leave_slot(self, name: str, owner: str) -> None:
+        await asyncio.wrap_future(self.offload.submit("ops", self.do_leave_slot, name, owner))
 
     async def ado_release_slot(self, name: str, owner: str) -> bool:
         return await asyncio.wrap_future(

@@ -48,6 +48,7 @@ from ..base import (
     load_holder,
     micros_to_datetime,
 )
+from ..parking_backend import ParkingBackend
 from ..semaphore_backend import SemaphoreBackend
 from ..slots import SlotAttempt, wall_micros
 from .sessions import Entry, Sessions
@@ -101,7 +102,7 @@ class EtcdSlotAttempt(SlotAttempt):
             self.backend.watch_slots(self.name, self.revision, timeout, self)
 
 
-class EtcdSlots(SemaphoreBackend):
+class EtcdSlots(SemaphoreBackend, ParkingBackend):
     """The ``*_slot`` and parking primitives of :class:`~.backend.EtcdBackend`."""
 
     supports_fair_semaphores = True

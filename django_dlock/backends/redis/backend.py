@@ -27,7 +27,7 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from ...exceptions import BackendUnavailable, LockConfigurationError
-from ..base import Grant, LockInfo
+from ..base import BaseLockBackend, Grant, LockInfo
 from ..ops import MutexOps
 from ..probe import PROBE_NAME
 from ..redaction import redacted
@@ -46,7 +46,7 @@ from .native_async import RedisAttempt, RedisNativeAsync
 from .options import check_client_kwargs, check_url, tls_file_errors
 from .renewals import RedisRenewals
 from .scripts import WAITER_LEASE_MS, Keys, lock_key
-from .semaphores import RedisSemaphores
+from .semaphores import RedisParking, RedisSemaphores
 from .waiters import handed_over, take_handed
 
 #: Longest single blocking wait; waiters re-check at least this often.
@@ -56,11 +56,12 @@ WAIT_CAP = 1.0
 STARVE_AFTER = 0.1
 
 
-class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
-    """Leases in Redis; see the package docstring for the key layout and scripts.
+class RedisLocks(RedisNativeAsync, BaseLockBackend):
+    """The mutex core of the Redis backends; see the package docstring for the key layout.
 
-    Its semaphores, read/write locks and parked tasks are in ``semaphores.py``;
-    the watchdog's batched renewals in ``renewals.py``.
+    :class:`RedisBackend` declares it with its parts (semaphores, parked
+    tasks, batched renewals); :class:`~.redlock.RedlockBackend`, over
+    independent masters, declares it alone.
     """
 
     supports_wakeups = True
@@ -74,8 +75,8 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
     retries: ClassVar[int] = 1
     node_class: ClassVar[type[Node]] = Node
     #: The class a list of several LOCATIONs builds (deprecated: Redlock). A
-    #: subclass declares itself with ``class ...(RedisBackend, reads_a_list=True)``.
-    _list_class: ClassVar[type[RedisBackend] | None] = None
+    #: subclass declares itself with ``class ...(RedisLocks, reads_a_list=True)``.
+    _list_class: ClassVar[type[RedisLocks] | None] = None
     #: Built from a list LOCATION on RedisBackend (deprecated; check W003).
     configured_as_redis_backend: bool = False
     allowed_options = frozenset(
@@ -93,9 +94,9 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
     def __init_subclass__(cls, reads_a_list: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if reads_a_list:
-            RedisBackend._list_class = cls
+            RedisLocks._list_class = cls
 
-    def __new__(cls, alias: str, params: Mapping[str, Any]) -> RedisBackend:
+    def __new__(cls, alias: str, params: Mapping[str, Any]) -> RedisLocks:
         if cls is RedisBackend and _several(params.get("LOCATION")) and cls._list_class:
             # Django's RedisCache reads a list as a primary and its replicas;
             # here it has always meant Redlock over independent masters.
@@ -105,7 +106,8 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
                 DeprecationWarning,
                 stacklevel=2,
             )
-            backend = super().__new__(cls._list_class)
+            # Not a RedisBackend: made whole here, as type() will not __init__ it.
+            backend = cls._list_class(alias, params)
             backend.configured_as_redis_backend = True
             return backend
         return super().__new__(cls)
@@ -525,6 +527,15 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
             attempt.handed = handed_over(attempt.queued_at, text(popped[1]))
 
 
+class RedisBackend(RedisSemaphores, RedisParking, RedisRenewals, RedisLocks):
+    """Leases in Redis on one server, a Cluster or a django-redis pool.
+
+    The mutex core (:class:`RedisLocks`) with three parts: semaphores and
+    read/write locks (``semaphores.py``), parked Celery tasks (the same
+    module) and the watchdog's batched renewals (``renewals.py``).
+    """
+
+
 def _several(location: Any) -> bool:
     """Whether ``location`` is a list of more than one URL (Redlock's shape)."""
     return (
@@ -534,7 +545,7 @@ def _several(location: Any) -> bool:
     )
 
 
-_backends: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
+_backends: weakref.WeakSet[RedisLocks] = weakref.WeakSet()
 
 
 def _reset_after_fork() -> None:
