@@ -593,7 +593,7 @@ def test_fair_release_hands_the_lock_to_the_first_waiter(name: str) -> None:
 def test_fair_waiter_granted_while_giving_up_passes_the_lock_on(name: str) -> None:
     backend = _fair()
     backend.do_acquire(name, "holder", 30, "{}")
-    gives_up = backend.attempt(name, "gives-up", 30, ({}, "{}"), True)
+    gives_up = backend.ops().attempt(name, "gives-up", 30, ({}, "{}"), True, None)
     assert gives_up.try_acquire() is None  # queued
     backend.do_acquire(name, "patient", 30, "{}")
     backend.do_release(name, "holder")
@@ -634,7 +634,7 @@ def test_unfair_waiter_that_waited_too_long_is_queued_and_served_next(name: str)
     backend = locks["redis"]
     assert isinstance(backend, RedisBackend)
     assert isinstance(backend.do_acquire(name, "holder", 0.3, "{}"), int)
-    starving = backend.attempt(name, "starving", 30, ({}, "{}"), True)
+    starving = backend.ops().attempt(name, "starving", 30, ({}, "{}"), True, None)
     assert starving.try_acquire() is None
     assert starving.since is not None
     starving.since -= 1  # as if it had waited 1 s
@@ -654,7 +654,7 @@ def test_unfair_release_hands_over_to_a_queued_waiter(name: str) -> None:
     backend = locks["redis"]
     assert isinstance(backend, RedisBackend)
     backend.do_acquire(name, "holder", 30, "{}")
-    starving = backend.attempt(name, "starving", 30, ({}, "{}"), True)
+    starving = backend.ops().attempt(name, "starving", 30, ({}, "{}"), True, None)
     starving.try_acquire()
     assert starving.since is not None
     starving.since -= 1
@@ -691,7 +691,7 @@ def test_redlock_waiters_never_queue(name: str) -> None:
     backend = locks["redlock"]
     assert isinstance(backend, RedlockBackend)
     assert isinstance(backend.do_acquire(name, "holder", 30, "{}"), Grant | int)
-    waiter = backend.attempt(name, "waiter", 30, ({}, "{}"), True)
+    waiter = backend.ops().attempt(name, "waiter", 30, ({}, "{}"), True, None)
     assert waiter.try_acquire() is None
     assert waiter.since is not None
     waiter.since -= 10  # long past STARVE_AFTER
