@@ -36,7 +36,12 @@ acquiring_template: ContextVar[str | None] = ContextVar("django_dlock_template",
 
 @contextlib.contextmanager
 def templated(template: str) -> Iterator[None]:
-    """Acquisitions in this block name locks made from ``template``: ``acquiring_template``."""
+    """Acquisitions in this block name locks made from ``template``: ``acquiring_template``.
+
+    Marked for removal, with ``acquiring_template``: pass ``template=`` to
+    ``acquire()``/``aacquire()``/``adopt()`` instead (``@lock`` and guarded
+    views do; the task adapters still use this).
+    """
     token = acquiring_template.set(template)
     try:
         yield
