@@ -94,7 +94,8 @@ def locked_response(
         found = holders.find_holders(name, backend).holders
         what = "locked by another request"
     else:
-        found = [h for i in locks[backend].semaphores(name) if i.name == name for h in i.holders]
+        semaphore = locks[backend].semaphore(name)
+        found = list(semaphore.holders) if semaphore is not None else []
         what = f"busy ({limit} request{'s' if limit > 1 else ''} at once)"
     remaining = min((h.expires_in for h in found), default=1.0)
     retry_after = 1 if not math.isfinite(remaining) else max(1, math.ceil(remaining))
