@@ -93,13 +93,14 @@ def main() -> None:
     register = _Register(config["register"], config["table"], config["name"])
     backend = locks["default"]
     kind = config.get("kind", "mutex")
+    # A semaphore of limit 1, or a read/write lock's write side: exclusive as
+    # the mutex is, so the same checker applies.
+    slot: dict[str, int] = {}
     if kind != "mutex":
-        # A semaphore of limit 1, or a read/write lock's write side: exclusive
-        # as the mutex is, so the same checker applies.
-        from django_dlock.backends.slots import RW_LIMIT, SlotView
+        from django_dlock.backends.limits import RW_LIMIT
 
-        backend = SlotView(backend, 1, 1) if kind == "semaphore" else (
-            SlotView(backend, RW_LIMIT, RW_LIMIT))  # fmt: skip
+        slot = {"limit": 1, "weight": 1} if kind == "semaphore" else (
+            {"limit": RW_LIMIT, "weight": RW_LIMIT})  # fmt: skip
     name = config["name"]
     rng = random.Random()
     record(op="start", inv=time.monotonic(), pid=os.getpid())
@@ -107,7 +108,7 @@ def main() -> None:
         inv = time.monotonic()
         record(op="acquire", inv=inv)
         try:
-            held = backend.acquire(name, ttl=config["ttl"], timeout=config["timeout"])
+            held = backend.acquire(name, ttl=config["ttl"], timeout=config["timeout"], **slot)
         except LockTimeout:
             record(op="acquire", inv=inv, cmp=time.monotonic(), ok=False, why="timeout")
             continue

@@ -166,7 +166,7 @@ class ClockProbe:
         )
         for held in leases:
             try:
-                ours = held.backend.do_check(held.name, held.owner)
+                ours = held.ops.check(held.name, held.owner)
             except Exception:
                 ours = True  # unknown: renewed at once, and judged by that renewal
             if ours:

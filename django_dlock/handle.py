@@ -1,4 +1,4 @@
-"""The handle of a granted lease (:class:`HeldLock`) and its ticket (:class:`Ticket`).
+"""The handle of a granted lease: :class:`HeldLock` (its ticket is in ``tickets.py``).
 
 Each acquisition yields a :class:`HeldLock`: the lease actually granted, with
 its fencing token; ``held.detach()`` turns it into a ticket that another
@@ -28,30 +28,25 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from django.dispatch import Signal
-
-from ._validation import validate_name, validate_ttl
-from .dispatch import get_dispatcher, send_robust
+from ._validation import validate_ttl
+from .backends.limits import RW_LIMIT
 from .exceptions import BackendUnavailable, LockLost, LockNotOwned
-from .keys import acquiring_template
 from .leases import DETACHED, HELD, LOST, RELEASED, LeaseAccounting, Request
 from .leases import RETRY_FRACTION as RETRY_FRACTION
-from .signals import lock_acquired, lock_detached, lock_lost, lock_released
+from .signals import lock_acquired, lock_detached, lock_released
+from .tickets import TICKET_VERSION as TICKET_VERSION
+from .tickets import Ticket as Ticket
 from .watchdog import get_watchdog
 
 if TYPE_CHECKING:
-    from .backends.base import BaseLockBackend
+    from .backends.protocol import LeaseOps, LockService
+    from .backends.types import LockInfo
 
 logger = logging.getLogger("django_dlock")
 
 _INHERITED = "was inherited through fork(): the lease belongs to the parent process"
-
-#: Version of the ticket that ``HeldLock.detach()`` returns and ``adopt()`` reads.
-TICKET_VERSION = 1
 
 # Bumped in a child after fork(): a handle made before the fork belongs to the
 # parent, and the child must neither release nor renew its lease.
@@ -66,57 +61,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-@dataclass(frozen=True)
-class Ticket:
-    """A detached lease in transit: what ``HeldLock.detach()`` returns, as a dict.
-
-    The one place the ticket format is written (:meth:`to_dict`) and read
-    (:meth:`parse`). ``state`` is what the backend's ``do_detach`` returned
-    (JSON-serializable; None for most backends).
-    """
-
-    backend: str
-    name: str
-    owner: str
-    token: int
-    ttl: float
-    holder: dict[str, Any]
-    state: Any = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON-serializable ticket, versioned."""
-        return {
-            "v": TICKET_VERSION,
-            "backend": self.backend,
-            "name": self.name,
-            "owner": self.owner,
-            "token": self.token,
-            "ttl": self.ttl,
-            "holder": self.holder,
-            "state": self.state,
-        }
-
-    @classmethod
-    def parse(cls, ticket: Mapping[str, Any], alias: str) -> Ticket:
-        """Read a ticket for backend ``alias``; ``ValueError`` if it is not one, or not for it."""
-        if not isinstance(ticket, Mapping) or ticket.get("v") != TICKET_VERSION:
-            raise ValueError(f"Not a django-dlock lease ticket: {ticket!r}.")
-        if ticket.get("backend") != alias:
-            raise ValueError(
-                f"The ticket is for lock backend {ticket.get('backend')!r}, not {alias!r}."
-            )
-        try:
-            name = validate_name(ticket["name"])
-            owner, token = ticket["owner"], int(ticket["token"])
-            ttl = validate_ttl(ticket["ttl"])
-            holder = dict(ticket.get("holder") or {})
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"Malformed django-dlock lease ticket {ticket!r}: {e}") from e
-        if not isinstance(owner, str) or not owner:
-            raise ValueError(f"Malformed django-dlock lease ticket {ticket!r}: no owner.")
-        return cls(alias, name, owner, token, ttl, holder, ticket.get("state"))
-
-
 class HeldLock(LeaseAccounting):
     """A lease that was granted: its name, fencing token and owner.
 
@@ -126,7 +70,11 @@ class HeldLock(LeaseAccounting):
     the process's watchdog renews the lease every ``ttl / 3`` seconds.
     """
 
-    backend: BaseLockBackend
+    #: The backend itself (``locks[alias]``), whatever the kind of lease.
+    backend: LockService
+    #: The kind of lease (``backends/ops.py``): a mutex, or a slot of a
+    #: semaphore or read/write lock; every call to the lease goes through it.
+    ops: LeaseOps
     name: str
     token: int
     owner: str
@@ -157,7 +105,8 @@ class HeldLock(LeaseAccounting):
 
     def __init__(
         self,
-        backend: BaseLockBackend,
+        backend: LockService,
+        ops: LeaseOps,
         name: str,
         owner: str,
         token: int,
@@ -170,12 +119,15 @@ class HeldLock(LeaseAccounting):
         waited: float = 0.0,
         contended: bool = False,
         adopted: bool = False,
+        template: str | None = None,
     ) -> None:
         """The handle of a lease the lock service just granted to ``owner``.
 
         This is how a backend (through ``BaseLockBackend``'s acquire loop and
         ``adopt()``) hands a lease to its caller; application code gets
-        handles by acquiring. ``expires`` is a ``time.monotonic()`` instant no
+        handles by acquiring. ``ops`` is the kind of lease on ``backend``
+        (``backends/ops.py``), ``template`` the key template ``name`` was made
+        from, if any. ``expires`` is a ``time.monotonic()`` instant no
         later than the lease's end by the service's clock (for a plain grant:
         when the request was sent, plus the TTL), ``lease`` its length (shorter
         than ``ttl`` for a hand-over: the handle extends it), ``holder`` the
@@ -186,6 +138,7 @@ class HeldLock(LeaseAccounting):
         receiver raises, the lease is released and the error propagates.
         """
         self.backend = backend
+        self.ops = ops
         self.name = name
         self.owner = owner
         self.token = int(token)
@@ -196,7 +149,7 @@ class HeldLock(LeaseAccounting):
         self.contended = contended
         self.adopted = adopted
         self.acquired_at = time.monotonic()
-        self.template = acquiring_template.get()
+        self.template = template
         self._mutex = threading.Lock()
         self._state = HELD
         # ``expires`` is when the lease ends at the earliest by our clock (for a
@@ -215,7 +168,7 @@ class HeldLock(LeaseAccounting):
             # after the handle is dropped; the finalizer ends it on time.
             self._expiry_cell = [self._expires]
             self._forgotten = weakref.finalize(
-                self, _release_forgotten, backend, name, owner, self._expiry_cell, _fork_generation
+                self, _release_forgotten, ops, name, owner, self._expiry_cell, _fork_generation
             )
             self._forgotten.atexit = False
         if renew:
@@ -285,7 +238,7 @@ class HeldLock(LeaseAccounting):
         follows should still carry :attr:`token`.
         """
         self._before_ensure()
-        if not self.backend.do_check(self.name, self.owner):
+        if not self.ops.check(self.name, self.owner):
             self._ensure_refused()
 
     @property
@@ -308,6 +261,37 @@ class HeldLock(LeaseAccounting):
         self._mark_lost("the lock service no longer has this lease (expired or broken)")
         raise self._error(LockLost, f"was lost: {self.lost_reason}")
 
+    @property
+    def kind(self) -> str:
+        """``"lock"`` (a mutex), ``"semaphore"`` or ``"rwlock"``: what this handle holds."""
+        if self.ops.limit is None:
+            return "lock"
+        return "rwlock" if self.ops.limit == RW_LIMIT else "semaphore"
+
+    @property
+    def limit(self) -> int | None:
+        """The semaphore's limit (``RW_LIMIT`` for a read/write lock); None for a mutex."""
+        return self.ops.limit
+
+    def get(self) -> LockInfo | None:
+        """This lease as the lock service lists it now, or None once it is gone; one lookup.
+
+        For a mutex, ``locks[alias].get(name)`` if it still has this handle's
+        token; for a semaphore's or read/write lock's slot, its holder in
+        ``locks[alias].semaphore(name)``, never a mutex of the same name.
+        """
+        return self.ops.get(self.name, self.token)
+
+    def break_lock(self) -> bool:
+        """Break this lease, by its fencing token, whoever holds the name now; False if gone.
+
+        ``locks[alias].break_lock(name, token)`` for a mutex,
+        ``locks[alias].break_slot(name, token)`` for a slot: the lease this
+        handle names, never another. The handle finds out as any holder
+        would (``LockLost`` at its next check or renewal).
+        """
+        return self.ops.break_lease(self.name, self.token)
+
     def extend(self, ttl: float | None = None) -> None:
         """Make the lease run ``ttl`` seconds from now (default: its current TTL).
 
@@ -316,7 +300,7 @@ class HeldLock(LeaseAccounting):
         """
         request = self._sending(self._before_extend(ttl))
         try:
-            extended = self.backend.do_extend(self.name, self.owner, request.ttl)
+            extended = self.ops.extend(self.name, self.owner, request.ttl)
         except BaseException:
             self._answered(request, None)
             raise
@@ -347,7 +331,7 @@ class HeldLock(LeaseAccounting):
         """
         was_lost = self._before_release()
         if was_lost is not None:
-            self._after_release(self.backend.do_release(self.name, self.owner), was_lost)
+            self._after_release(self.ops.release(self.name, self.owner), was_lost)
 
     def _before_release(self) -> bool | None:
         """Mark the handle released; None if it already was (nothing to do), else was_lost.
@@ -395,14 +379,14 @@ class HeldLock(LeaseAccounting):
     async def aensure(self) -> None:
         """:meth:`ensure`, awaited."""
         self._before_ensure()
-        if not await self.backend.ado_check(self.name, self.owner):
+        if not await self.ops.acheck(self.name, self.owner):
             self._ensure_refused()
 
     async def aextend(self, ttl: float | None = None) -> None:
         """:meth:`extend`, awaited."""
         request = self._sending(self._before_extend(ttl))
         try:
-            extended = await self.backend.ado_extend(self.name, self.owner, request.ttl)
+            extended = await self.ops.aextend(self.name, self.owner, request.ttl)
         except BaseException:
             self._answered(request, None)
             raise
@@ -420,7 +404,7 @@ class HeldLock(LeaseAccounting):
         was_lost = self._before_release()
         if was_lost is None:
             return
-        releasing = asyncio.ensure_future(self.backend.ado_release(self.name, self.owner))
+        releasing = asyncio.ensure_future(self.ops.arelease(self.name, self.owner))
         _background.add(releasing)
         releasing.add_done_callback(_background.discard)
         try:
@@ -451,7 +435,7 @@ class HeldLock(LeaseAccounting):
 
     def _release_again(self, was_lost: bool) -> None:
         try:
-            released = self.backend.do_release(self.name, self.owner)
+            released = self.ops.release(self.name, self.owner)
         except Exception:
             logger.exception("Could not release lock %r on %r", self.name, self.alias)
             return
@@ -479,7 +463,7 @@ class HeldLock(LeaseAccounting):
         get_watchdog().cancel(self)
         self._remembered()
         try:
-            state = self.backend.do_detach(self.name, self.owner)
+            state = self.ops.detach(self.name, self.owner)
         except BaseException:
             with self._mutex:
                 self._state = HELD
@@ -521,75 +505,6 @@ class HeldLock(LeaseAccounting):
         except Exception:
             logger.exception("Could not release lock %r on %r", self.name, self.alias)
 
-    def lost_on_server(self, reason: str) -> None:
-        """Mark the lease lost now: the lock service said it no longer holds it."""
-        self._mark_lost(reason)
-
-    def _mark_lost(self, reason: str) -> None:
-        with self._mutex:
-            if self._state != HELD:
-                return
-            self._state = LOST
-            self.lost_reason = reason
-        get_watchdog().cancel(self)
-        self._remembered()
-        self._send_lost()
-
-    def _remembered(self) -> None:
-        """The lease ended (or moved) through this handle: nothing to end when it is freed."""
-        if self._forgotten is not None:
-            self._forgotten.detach()
-
-    def _send_ended(self, signal: Signal) -> None:
-        """``lock_released`` or ``lock_detached``: the lease is no longer held here.
-
-        Queued, not sent, on the renewal thread (a release after a rollback):
-        see ``dispatch.py``.
-        """
-        held_for = time.monotonic() - self.acquired_at
-        get_dispatcher().deliver(
-            self.alias,
-            self,
-            "lock_released" if signal is lock_released else "lock_detached",
-            functools.partial(
-                signal.send,
-                sender=type(self.backend),
-                backend=self.alias,
-                name=self.name,
-                token=self.token,
-                held=self,
-                held_for=held_for,
-            ),
-        )
-
-    def _send_lost(self) -> None:
-        logger.warning(
-            "Lock %r (token %s) on backend %r was lost: %s",
-            self.name,
-            self.token,
-            self.alias,
-            self.lost_reason,
-        )
-        # The state changed already; on the watchdog or a renewal thread the
-        # receivers run later, on the alias's signal thread (dispatch.py).
-        get_dispatcher().deliver(
-            self.alias,
-            self,
-            "lock_lost",
-            functools.partial(
-                send_robust,
-                lock_lost,
-                "lock_lost",
-                sender=type(self.backend),
-                backend=self.alias,
-                name=self.name,
-                token=self.token,
-                held=self,
-                reason=self.lost_reason,
-                held_for=time.monotonic() - self.acquired_at,
-            ),
-        )
-
 
 #: Releases whose caller was cancelled, kept referenced until they are done.
 _background: set[asyncio.Future[Any]] = set()
@@ -621,15 +536,15 @@ async def arelease_on_exit(held: HeldLock, body_raised: bool) -> None:
 
 
 def _release_forgotten(
-    backend: Any, name: str, owner: str, expiry: list[float], generation: int
+    ops: LeaseOps, name: str, owner: str, expiry: list[float], generation: int
 ) -> None:
     """Finalizer of a held handle nobody references: release it when it would have run out."""
     if generation != _fork_generation:
         return  # freed in a forked child: the lease is the parent's
 
     def release() -> None:
-        if backend.do_release(name, owner):
-            logger.info("Released the lease of forgotten handle %r on %r", name, backend.alias)
+        if ops.release(name, owner):
+            logger.info("Released the lease of forgotten handle %r on %r", name, ops.backend.alias)
 
     watchdog = get_watchdog()
-    watchdog.call_at(expiry[0], lambda: watchdog.renewer(backend.alias).submit(release))
+    watchdog.call_at(expiry[0], lambda: watchdog.renewer(ops.backend.alias).submit(release))

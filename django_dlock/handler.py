@@ -23,11 +23,10 @@ from django.utils.connection import BaseConnectionHandler
 from django.utils.module_loading import import_string
 
 from . import conf
+from .backends.base import BaseLockBackend
 from .exceptions import InvalidBackendError, LockConfigurationError
 
 if TYPE_CHECKING:
-    from .backends.base import BaseLockBackend
-
     _HandlerBase = BaseConnectionHandler[BaseLockBackend]
 else:
     _HandlerBase = BaseConnectionHandler
@@ -65,16 +64,8 @@ def validate_backends_setting(value: Any) -> dict[str, dict[str, Any]]:
     return value
 
 
-#: What the handler calls on a backend; a BACKEND without them is not one.
-_BACKEND_API = ("acquire", "aacquire", "adopt", "get", "list", "break_lock", "ping", "close")
-
-
 def backend_class(alias: str, params: dict[str, Any]) -> type[BaseLockBackend]:
-    """Import ``params["BACKEND"]``: a lock backend class (a ``BaseLockBackend`` subclass).
-
-    Checked by the methods the handler and the API call, not ``issubclass``:
-    the backends module imports the lock API, which imports this handler.
-    """
+    """Import ``params["BACKEND"]``: a lock backend class (a ``BaseLockBackend`` subclass)."""
     path = params.get("BACKEND")
     if not path or not isinstance(path, str):
         raise InvalidBackendError(
@@ -88,13 +79,12 @@ def backend_class(alias: str, params: dict[str, Any]) -> type[BaseLockBackend]:
         raise InvalidBackendError(
             f"Could not import BACKEND {path!r} for lock backend {alias!r}: {e}", alias=alias
         ) from e
-    if not (isinstance(cls, type) and all(callable(getattr(cls, m, None)) for m in _BACKEND_API)):
+    if not (isinstance(cls, type) and issubclass(cls, BaseLockBackend)):
         raise InvalidBackendError(
             f"BACKEND {path!r} for lock backend {alias!r} is not a BaseLockBackend subclass.",
             alias=alias,
         )
-    backend: type[BaseLockBackend] = cls
-    return backend
+    return cls
 
 
 class LockBackendHandler(_HandlerBase):

@@ -1,7 +1,9 @@
-"""The lease accounting of a held handle, and the watchdog's side of it.
+"""The lease accounting of a held handle, the watchdog's side of it, and its end.
 
 :class:`LeaseAccounting` is the part of :class:`~django_dlock.handle.HeldLock`
-that keeps the estimate of when its lease ends, and its renewals. The
+that keeps the estimate of when its lease ends, and its renewals, and marks
+it lost and sends ``lock_lost``, ``lock_released`` and ``lock_detached``
+(always with ``sender=`` the backend's class) when it ends. The
 estimate is never later than the service's end:
 
 A request (a hand extend or a renewal) sent at ``sent`` with ``ttl`` that
@@ -18,16 +20,24 @@ due a third of the estimated length after C was sent.
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, cast
 
+from django.dispatch import Signal
+
+from .backends.protocol import Request as Request
+from .dispatch import get_dispatcher, send_robust
+from .signals import lock_lost, lock_released
 from .watchdog import get_watchdog
 
 if TYPE_CHECKING:
-    from .backends.base import BaseLockBackend
-    from .handle import HeldLock
+    from .backends.protocol import LockService, Renewable
+
+logger = logging.getLogger("django_dlock")
 
 # The states of a handle.
 HELD, RELEASED, LOST, DETACHED = "held", "released", "lost", "detached"
@@ -39,12 +49,16 @@ RETRY_FRACTION = 0.1
 class LeaseAccounting:
     """The renewals and the lease accounting of :class:`~django_dlock.handle.HeldLock`.
 
-    Its only subclass is ``HeldLock``: ``cast("HeldLock", self)`` tells the
+    Its only subclass is ``HeldLock``: ``cast("Renewable", self)`` tells the
     type checker so where the watchdog is handed the handle.
     """
 
-    backend: BaseLockBackend
+    backend: LockService
+    name: str
+    token: int
     ttl: float
+    lost_reason: str | None
+    acquired_at: float
     renewing: bool
     _mutex: threading.Lock
     _state: str
@@ -65,8 +79,6 @@ class LeaseAccounting:
         @property
         def expires_in(self) -> float: ...
 
-        def _mark_lost(self, reason: str) -> None: ...
-
     # --- the watchdog's side: only ``watchdog.py`` and ``renewer.py`` call these -----
 
     def on_watchdog(self, due: float) -> None:
@@ -79,7 +91,7 @@ class LeaseAccounting:
         if self._state != HELD or self.renewing:
             return
         self.renewing = True
-        get_watchdog().renewer(self.alias).add(cast("HeldLock", self), due)
+        get_watchdog().renewer(self.alias).add(cast("Renewable", self), due)
 
     def renewal_wanted(self) -> bool:
         """Whether a queued renewal is still to be sent (False once released or lost)."""
@@ -109,7 +121,7 @@ class LeaseAccounting:
                 self._mark_lost(f"renewal failed until the lease ran out: {result!r}")
             else:
                 delay = min(self.ttl * RETRY_FRACTION, remaining / 2, 1.0)
-                get_watchdog().schedule(cast("HeldLock", self), delay)
+                get_watchdog().schedule(cast("Renewable", self), delay)
             return result
         self._answered(request, result)
         if self._state == HELD and not result:
@@ -160,9 +172,9 @@ class LeaseAccounting:
     def _reschedule(self, renewing: bool, delay: float, end: float) -> None:
         """Renew in ``delay`` s; or, with a renewal under way, judge it at its new ``end``."""
         if renewing:
-            get_watchdog().renewer(self.alias).judge_by(cast("HeldLock", self), end)
+            get_watchdog().renewer(self.alias).judge_by(cast("Renewable", self), end)
         elif self._renew_enabled:
-            get_watchdog().schedule(cast("HeldLock", self), delay)
+            get_watchdog().schedule(cast("Renewable", self), delay)
 
     def _set_expires(self, end: float) -> None:
         """Under the mutex."""
@@ -170,14 +182,73 @@ class LeaseAccounting:
         if self._forgotten is not None:
             self._expiry_cell[0] = end
 
+    # --- the end of the lease here: lost, released or detached, and its signals --------
 
-class Request:
-    """An extend or renewal of a handle: sent at ``sent`` (``time.monotonic()``) with ``ttl``."""
+    def lost_on_server(self, reason: str) -> None:
+        """Mark the lease lost now: the lock service said it no longer holds it."""
+        self._mark_lost(reason)
 
-    __slots__ = ("answered", "sent", "ttl")
+    def _mark_lost(self, reason: str) -> None:
+        with self._mutex:
+            if self._state != HELD:
+                return
+            self._state = LOST
+            self.lost_reason = reason
+        get_watchdog().cancel(cast("Renewable", self))
+        self._remembered()
+        self._send_lost()
 
-    def __init__(self, sent: float, ttl: float) -> None:
-        self.sent = sent
-        self.ttl = ttl
-        #: When its reply or error came back; None while in flight.
-        self.answered: float | None = None
+    def _remembered(self) -> None:
+        """The lease ended (or moved) through this handle: nothing to end when it is freed."""
+        if self._forgotten is not None:
+            self._forgotten.detach()
+
+    def _send_ended(self, signal: Signal) -> None:
+        """``lock_released`` or ``lock_detached``: the lease is no longer held here.
+
+        Queued, not sent, on the renewal thread (a release after a rollback):
+        see ``dispatch.py``.
+        """
+        held_for = time.monotonic() - self.acquired_at
+        get_dispatcher().deliver(
+            self.alias,
+            self,
+            "lock_released" if signal is lock_released else "lock_detached",
+            functools.partial(
+                signal.send,
+                sender=type(self.backend),
+                backend=self.alias,
+                name=self.name,
+                token=self.token,
+                held=self,
+                held_for=held_for,
+            ),
+        )
+
+    def _send_lost(self) -> None:
+        logger.warning(
+            "Lock %r (token %s) on backend %r was lost: %s",
+            self.name,
+            self.token,
+            self.alias,
+            self.lost_reason,
+        )
+        # The state changed already; on the watchdog or a renewal thread the
+        # receivers run later, on the alias's signal thread (dispatch.py).
+        get_dispatcher().deliver(
+            self.alias,
+            self,
+            "lock_lost",
+            functools.partial(
+                send_robust,
+                lock_lost,
+                "lock_lost",
+                sender=type(self.backend),
+                backend=self.alias,
+                name=self.name,
+                token=self.token,
+                held=self,
+                reason=self.lost_reason,
+                held_for=time.monotonic() - self.acquired_at,
+            ),
+        )

@@ -22,7 +22,7 @@ from . import conf
 from ._validation import dump_holder, validate_name, validate_timeout, validate_ttl
 from .handle import HeldLock, arelease_on_exit, release_on_exit
 from .handler import locks
-from .keys import KeyTemplate, templated
+from .keys import KeyTemplate
 from .transactions import release_at_transaction_end
 
 __all__ = ["Lock", "lock"]
@@ -121,21 +121,30 @@ class Lock:
             raise
 
     def acquire_handle(
-        self, timeout: float | None = _UNSET, *, name: str | None = None
+        self,
+        timeout: float | None = _UNSET,
+        *,
+        name: str | None = None,
+        template: str | None = None,
     ) -> HeldLock:
         """Acquire and return the handle without remembering it on this object.
 
         For code that keeps the handle itself and releases it with
         ``held.release()``: :meth:`release` on this object will not find it.
-        ``name`` replaces the lock's name (a template's result, say).
+        ``name`` replaces the lock's name (a template's result, say), and
+        ``template`` is that key template (``HeldLock.template``).
         """
-        return self._acquire(timeout, name)
+        return self._acquire(timeout, name, template)
 
     async def aacquire_handle(
-        self, timeout: float | None = _UNSET, *, name: str | None = None
+        self,
+        timeout: float | None = _UNSET,
+        *,
+        name: str | None = None,
+        template: str | None = None,
     ) -> HeldLock:
         """:meth:`acquire_handle`, awaited."""
-        return await self._aacquire(timeout, name)
+        return await self._aacquire(timeout, name, template)
 
     def release(self) -> None:
         """Release the latest acquisition of this object in the current thread or task.
@@ -181,8 +190,7 @@ class Lock:
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                with templated(self.name):
-                    held = await self._aacquire(_UNSET, key_for(args, kwargs))
+                held = await self._aacquire(_UNSET, key_for(args, kwargs), self.name)
                 reset = decorated.set((*decorated.get(), held))
                 try:
                     result = await func(*args, **kwargs)
@@ -198,8 +206,7 @@ class Lock:
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with templated(self.name):
-                held = self._acquire(_UNSET, key_for(args, kwargs))
+            held = self._acquire(_UNSET, key_for(args, kwargs), self.name)
             reset = decorated.set((*decorated.get(), held))
             try:
                 result = func(*args, **kwargs)
@@ -225,17 +232,24 @@ class Lock:
             held, self.using, body_raised=body_raised, strict=self.using is not None
         )
 
-    def _acquire(self, timeout: float | None, name: str | None) -> HeldLock:
+    def _acquire(
+        self, timeout: float | None, name: str | None, template: str | None = None
+    ) -> HeldLock:
+        """Acquire ``name`` (made from key ``template``, if any) or this lock's own name."""
         name, timeout = self._resolve(timeout, name)
         return locks[self.backend].acquire(
-            name, ttl=self.ttl, timeout=timeout, metadata=self.metadata, renew=self.renew
-        )
+            name, ttl=self.ttl, timeout=timeout, metadata=self.metadata, renew=self.renew,
+            template=template,
+        )  # fmt: skip
 
-    async def _aacquire(self, timeout: float | None, name: str | None) -> HeldLock:
+    async def _aacquire(
+        self, timeout: float | None, name: str | None, template: str | None = None
+    ) -> HeldLock:
         name, timeout = self._resolve(timeout, name)
         return await locks[self.backend].aacquire(
-            name, ttl=self.ttl, timeout=timeout, metadata=self.metadata, renew=self.renew
-        )
+            name, ttl=self.ttl, timeout=timeout, metadata=self.metadata, renew=self.renew,
+            template=template,
+        )  # fmt: skip
 
     def _resolve(self, timeout: float | None, name: str | None) -> tuple[str, float | None]:
         return (

@@ -27,8 +27,10 @@ from .lag import LAG_NOTE_TTL, leave_note
 from .signals import watchdog_lagging
 
 if TYPE_CHECKING:
-    from .handle import HeldLock
-    from .watchdog import Watchdog
+    # The sides of the backend, the handle and the watchdog that the renewal
+    # thread uses (backends/protocol.py), named as what they are.
+    from .backends.protocol import Renewable as HeldLock
+    from .backends.protocol import Scheduler as Watchdog
 
 logger = logging.getLogger("django_dlock")
 
@@ -253,11 +255,11 @@ class Renewer:
         too_late: list[HeldLock] = []
         groups: dict[Any, list[HeldLock]] = {}
         for held in batch:
-            groups.setdefault(held.backend.renewal_key, []).append(held)
+            groups.setdefault(held.ops.renewal_key, []).append(held)
         for group in groups.values():
-            backend = group[0].backend
-            self.clock.start(getattr(backend, "base", backend))
-            size = max(1, backend.renew_batch)
+            ops = group[0].ops
+            self.clock.start(group[0].backend)
+            size = max(1, group[0].backend.renew_batch)
             for start in range(0, len(group), size):
                 chunk = group[start : start + size]
                 chunk, requests = self._begin(chunk, too_late)
@@ -268,7 +270,7 @@ class Renewer:
                     for held, request in zip(chunk, requests, strict=True)
                 ]
                 try:
-                    results = backend.do_extend_many(leases)
+                    results = ops.extend_many(leases)
                 except Exception as e:
                     results = [e] * len(chunk)
                 self._end(chunk, requests, results)
@@ -343,8 +345,7 @@ class Renewer:
     def _report_lag(self, late: float, ran_out: int, held: HeldLock) -> None:
         """Once per episode: a log line, ``watchdog_lagging``, and a note for ``locks check``."""
         waiting = len(self._queue)
-        # A semaphore's handle holds a view of the backend; the note is a plain lease.
-        backend = getattr(held.backend, "base", held.backend)
+        backend = held.backend
         logger.warning(
             "The django-dlock watchdog is falling behind on backend %r: renewals are "
             "going out %.1f s late, %d lease(s) wait and %d ran out first. The leases "
@@ -379,7 +380,7 @@ class Renewer:
     def _leave_note_later(self, held: HeldLock, late: float, ran_out: int) -> None:
         """Leave (or renew) the note for ``locks check`` from a thread of its own."""
         self._noted_at = time.monotonic()
-        backend = getattr(held.backend, "base", held.backend)
+        backend = held.backend
         detail = {"late_s": round(late, 3), "waiting": len(self._queue), "ran_out": ran_out}
         threading.Thread(
             target=self._leave_note, args=(backend, detail), name="django-dlock-lag", daemon=True

@@ -39,7 +39,6 @@ from typing import Any
 from django.db import models, router, transaction
 
 from . import conf, keys
-from .backends.slots import SlotView
 from .fencing import FencedModel
 from .handle import HeldLock
 from .lock import leases_here, lock
@@ -181,7 +180,7 @@ def _is_the_mutex(held: HeldLock, backend: str, name: str) -> bool:
     a ``limit``): those live in a keyspace of their own, with tokens of their
     own, and do not keep another thread from holding the mutex.
     """
-    return held.name == name and held.alias == backend and not isinstance(held.backend, SlotView)
+    return held.name == name and held.alias == backend and held.ops.limit is None
 
 
 def _confirmed(held: HeldLock) -> HeldLock:
@@ -233,8 +232,7 @@ def _under_lock(
     if held is not None:
         # The same thread holds it: write under that lease. Its holder releases it.
         return held, write(held)
-    with keys.templated(key):
-        held = lock(name, backend=backend, ttl=ttl, timeout=timeout).acquire()
+    held = lock(name, backend=backend, ttl=ttl, timeout=timeout).acquire_handle(template=key)
     db = using or router.db_for_write(type(instance), instance=instance)
     holding = _Holding(held)
     _keep(holding)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import conf
-from .backends.slots import RW_LIMIT, SlotView, validate_limit
+from .backends.limits import RW_LIMIT, validate_limit
 from .handle import HeldLock
 from .handler import locks
 from .lock import Lock
@@ -52,22 +52,23 @@ class Semaphore(Lock):
     def __repr__(self) -> str:
         return f"<Semaphore {self.name!r} limit={self.limit} backend={self.backend!r}>"
 
-    def view(self) -> SlotView:
-        return SlotView(locks[self.backend], self.limit, self.weight)
-
-    def _acquire(self, timeout: float | None, name: str | None) -> HeldLock:
+    def _acquire(
+        self, timeout: float | None, name: str | None, template: str | None = None
+    ) -> HeldLock:
         name, timeout = self._resolve(timeout, name)
-        held: HeldLock = self.view().acquire(
-            name, ttl=self.ttl, timeout=timeout, metadata=self.metadata, renew=self.renew
-        )
-        return held
+        return locks[self.backend].acquire(
+            name, ttl=self.ttl, timeout=timeout, metadata=self.metadata, renew=self.renew,
+            limit=self.limit, weight=self.weight, template=template,
+        )  # fmt: skip
 
-    async def _aacquire(self, timeout: float | None, name: str | None) -> HeldLock:
+    async def _aacquire(
+        self, timeout: float | None, name: str | None, template: str | None = None
+    ) -> HeldLock:
         name, timeout = self._resolve(timeout, name)
-        held: HeldLock = await self.view().aacquire(
-            name, ttl=self.ttl, timeout=timeout, metadata=self.metadata, renew=self.renew
-        )
-        return held
+        return await locks[self.backend].aacquire(
+            name, ttl=self.ttl, timeout=timeout, metadata=self.metadata, renew=self.renew,
+            limit=self.limit, weight=self.weight, template=template,
+        )  # fmt: skip
 
 
 #: ``semaphore(name, limit=N, ttl=..., timeout=..., backend=..., metadata=..., renew=...)``

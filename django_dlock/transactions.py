@@ -23,7 +23,7 @@ from .handle import HeldLock
 from .watchdog import get_watchdog
 
 if TYPE_CHECKING:
-    from .backends.base import BaseLockBackend
+    from .backends.protocol import LockService as BaseLockBackend
 
 
 class AmbiguousTransaction(TransactionManagementError):

@@ -38,7 +38,7 @@ from ._validation import validate_name
 from .exceptions import LockTimeout
 from .handle import HeldLock
 from .handler import locks
-from .keys import KeyTemplate, templated
+from .keys import KeyTemplate
 from .lock import Lock
 from .semaphores import Semaphore
 from .transactions import open_transactions, release_at_transactions_end
@@ -83,7 +83,8 @@ def locked_response(
         found = holders.find_holders(name, backend).holders
         what = "locked by another request"
     else:
-        found = [h for i in locks[backend].semaphores(name) if i.name == name for h in i.holders]
+        semaphore = locks[backend].semaphore(name)
+        found = list(semaphore.holders) if semaphore is not None else []
         what = f"busy ({limit} request{'s' if limit > 1 else ''} at once)"
     remaining = min((h.expires_in for h in found), default=1.0)
     retry_after = 1 if not math.isfinite(remaining) else max(1, math.ceil(remaining))
@@ -147,8 +148,7 @@ class _Guard:
     ) -> Any:
         name = self.name_for(request, view_kwargs)
         try:
-            with templated(self.template.template):
-                held = self.lock.acquire_handle(name=name)
+            held = self.lock.acquire_handle(name=name, template=self.template.template)
         except LockTimeout:
             return locked_response(name, self.backend, self.status, limit=self.limit)
         try:
@@ -177,8 +177,8 @@ class _Guard:
     ) -> Any:
         name = self.name_for(request, view_kwargs)
         try:
-            with templated(self.template.template):
-                held = await self.lock.aacquire_handle(name=name)  # native where the backend is
+            # Native where the backend is.
+            held = await self.lock.aacquire_handle(name=name, template=self.template.template)
         except LockTimeout:
             # On the backend's own threads: under load the loop's default
             # executor is busy, and this answer must not wait for it.

@@ -44,7 +44,8 @@ from .dispatch import mark_lease_thread
 from .renewer import LAG_QUIET, Renewer
 
 if TYPE_CHECKING:
-    from .handle import HeldLock
+    # The handle's side the watchdog uses, named as the handle it is.
+    from .backends.protocol import Renewable as HeldLock
 
 logger = logging.getLogger("django_dlock")
 

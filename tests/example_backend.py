@@ -6,6 +6,11 @@ statement, or one ``BEGIN IMMEDIATE`` transaction (SQLite's write lock), so
 that each is atomic on the "service". The service's clock is the machine's
 wall clock, read inside the transaction.
 
+It has the mutex part of the contract only (``BaseLockBackend``): it
+declares neither semaphores (``SemaphoreBackend``) nor parked tasks
+(``ParkingBackend``), so ``acquire(name, limit=N)`` on it raises
+``LockConfigurationError`` before any I/O, and the semaphore tests skip it.
+
 It is in the tests, not the package: it runs the whole conformance suite
 (tests/test_conformance.py, tests/test_model.py) as the "example" alias, so
 the walk-through stays true.

@@ -192,7 +192,7 @@ def test_async_decorator(backend_alias: str, name: str) -> None:
 
 
 def test_lock_repr_and_backend_shortcut(backend_alias: str, name: str) -> None:
-    via_backend = locks[backend_alias].lock(name, ttl=5)
+    via_backend = lock(name, backend=backend_alias, ttl=5)
     assert isinstance(via_backend, Lock)
     assert via_backend.backend == backend_alias
     with via_backend as held:

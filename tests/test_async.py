@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from django_dlock import LockLost, LockTimeout, lock
+from django_dlock import LockLost, LockTimeout, lock, rwlock, semaphore
 from django_dlock.backends.base import BaseLockBackend
 
 
@@ -111,6 +111,57 @@ def test_redis_is_native_async_with_no_worker_thread(
     if backend_alias == "redis-fair":
         assert order == [0, 1, 2, 3, 4]  # FIFO, woken by hand-overs, not polling
     assert backend.list(name) == []
+
+
+@pytest.mark.backends("redis", "redis-fair")
+def test_redis_semaphores_are_native_async_with_no_worker_thread(
+    backend_alias: str, backend: BaseLockBackend, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A semaphore's and a read/write lock's slots talk from the event loop, as mutexes do.
+
+    Neither the loop's default executor nor the backend's own threads
+    (``offload.py``) run anything: tries, waits, extends, checks, releases
+    and the give-up of a timed-out waiter all come from the loop.
+    """
+    assert backend.ops(limit=2).native_async
+
+    def no_thread(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the async API used one of the backend's threads")
+
+    monkeypatch.setattr(backend.offload, "submit", no_thread)
+
+    async def scenario() -> list[int]:
+        asyncio.get_running_loop().set_default_executor(_NoWorkerThreads())
+        order: list[int] = []
+
+        async def worker(n: int) -> None:
+            async with semaphore(name, limit=2, backend=backend_alias, timeout=30) as held:
+                await held.aensure()
+                await held.aextend(30)
+                order.append(n)
+                await asyncio.sleep(0.02)
+
+        first = await semaphore(name, limit=2, backend=backend_alias).aacquire()
+        second = await semaphore(name, limit=2, backend=backend_alias).aacquire()
+        tasks = [asyncio.create_task(worker(n)) for n in range(4)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(LockTimeout):
+            await semaphore(name, limit=2, backend=backend_alias, timeout=0.1).aacquire()
+        await first.arelease()
+        await second.arelease()
+        await asyncio.gather(*tasks)
+        async with rwlock(name + ":rw", backend=backend_alias, timeout=5).write() as held:
+            await held.aensure()
+        return order
+
+    assert sorted(asyncio.run(scenario())) == [0, 1, 2, 3]
+    monkeypatch.undo()
+    assert backend.semaphores(name) == []
+
+
+@pytest.mark.backends("redis-cluster", "db-sqlite", "locmem", "etcd")
+def test_other_backends_semaphores_are_not_native_async(backend: BaseLockBackend) -> None:
+    assert not backend.ops(limit=2).native_async
 
 
 @pytest.mark.backends("redis-cluster", "redlock", "etcd", "db-sqlite", "locmem")

@@ -23,7 +23,7 @@ from django.core import checks
 from django.test import override_settings
 from testproject.celery import app
 
-from django_dlock import LockTimeout, locks
+from django_dlock import LockTimeout, lock, locks
 from django_dlock.celery import HEADER, LockedTask, LockOptions, locked_task, park, unpark
 from django_dlock.celery.parking import NoParking
 from django_dlock.signals import task_skipped
@@ -450,7 +450,7 @@ def test_an_eager_call_cannot_be_deferred(eager: None, log: str) -> None:
     def deferred(key: str) -> str:
         return key
 
-    with locks["celery"].lock("eager-defer:k"):
+    with lock("eager-defer:k", backend="celery"):
         with pytest.raises(LockTimeout, match="cannot be deferred"):
             deferred.delay("k").get(disable_sync_subtasks=False)
     assert deferred.delay("k").get(disable_sync_subtasks=False) == "k"

@@ -823,7 +823,9 @@ def test_a_long_wait_backs_off_without_overflowing(backend: BaseLockBackend, nam
     """About 77 s of 0.1 s waits is attempt 1024, where 2.0 ** attempt overflowed."""
     from django_dlock._validation import holder_metadata, new_owner
 
-    attempt = backend.attempt(name, new_owner(), 1.0, holder_metadata(1.0, None), False)
+    attempt = backend.ops().attempt(
+        name, new_owner(), 1.0, holder_metadata(1.0, None), False, None
+    )
     for waits in (1023, 1024, 5000, 10**9):
         attempt.waits = waits
         attempt.wait(0.001)

@@ -31,7 +31,7 @@ from django.core import checks
 from django.db import transaction
 from django.test import override_settings
 
-from django_dlock import LockTimeout, keys, locks, semaphore
+from django_dlock import LockTimeout, keys, lock, locks, semaphore
 from django_dlock.signals import lock_acquired, task_skipped
 
 try:
@@ -694,7 +694,7 @@ def test_runs_and_skips_are_counted_under_the_key_template(key: str, log: str) -
     labels = {"backend": "locmem", "pattern": "skip:{key}"}
     try:
         assert status(ft.skipping.enqueue(key, log)) == "SUCCESSFUL"
-        with locks["locmem"].lock(f"skip:{key}"):
+        with lock(f"skip:{key}", backend="locmem"):
             assert status(ft.skipping.enqueue(key, log)) == "SUCCESSFUL"
         assert get("dlock_acquisitions_total", labels) == 1
         assert get("dlock_tasks_skipped_total", {**labels, "scope": "run"}) == 1

@@ -48,7 +48,6 @@ from django_dlock.backends.etcd.transport import (
     queue_txn,
     txn,
 )
-from django_dlock.backends.slots import SlotView
 from django_dlock.checks import check_backends
 from django_dlock.exceptions import LockConfigurationError
 from tests.servers import (
@@ -783,18 +782,18 @@ def test_a_slot_is_freed_when_its_session_lease_is_revoked(
     """
     backend = make_backend(single.endpoint)
     other = make_backend(single.endpoint, alias="other")
-    held = SlotView(backend, 1, 1).acquire(name, timeout=0)
+    held = backend.acquire(name, limit=1, timeout=0)
     mutex = backend.acquire(f"{name}:mutex")
     [slot] = _slot_keys(single.endpoint, name)
     assert slot["lease"] == keys(single.endpoint, f"dlock/{name}:mutex/")[0]["lease"]
     assert etcdctl(single.endpoint, "lease", "revoke", f"{slot['lease']:x}").returncode == 0
-    with SlotView(other, 1, 1).acquire(name, timeout=10) as got:
+    with other.acquire(name, limit=1, timeout=10) as got:
         assert got.token > held.token
         with pytest.raises(LockLost):
             held.ensure()
         with pytest.raises(LockLost):
             mutex.ensure()
-    with SlotView(backend, 1, 1).acquire(name, timeout=10) as again:
+    with backend.acquire(name, limit=1, timeout=10) as again:
         [slot2] = _slot_keys(single.endpoint, name)
         assert slot2["lease"] != slot["lease"]
         again.ensure()
@@ -804,9 +803,8 @@ def test_a_slot_without_renewal_has_a_lease_of_its_own(
     single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
 ) -> None:
     backend = make_backend(single.endpoint)
-    view = SlotView(backend, 2, 1)
-    renewed = view.acquire(name, timeout=0)
-    own = view.acquire(name, timeout=0, renew=False)
+    renewed = backend.acquire(name, limit=2, timeout=0)
+    own = backend.acquire(name, limit=2, timeout=0, renew=False)
     a, b = _slot_keys(single.endpoint, name)
     assert a["lease"] != b["lease"]
     own.release()
@@ -847,7 +845,7 @@ def _tokens(backend: EtcdBackend, name: str, count: int) -> list[int]:
         held = backend.acquire(name, timeout=0)
         tokens.append(held.token)
         held.release()
-    held = SlotView(backend, 2, 1).acquire(f"{name}-s", timeout=0)
+    held = backend.acquire(f"{name}-s", limit=2, timeout=0)
     tokens.append(held.token)
     held.release()
     return tokens

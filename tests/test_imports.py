@@ -2,7 +2,19 @@
 
 Imports are read from the source (``ast``), at module level and inside
 functions alike: a function-level import is an edge too, only a later one.
-Imports under ``if TYPE_CHECKING:`` are left out: they never run.
+The graph is read twice: as it runs (imports under ``if TYPE_CHECKING:``
+left out), and as the type checker reads it (those imports counted too). It
+has no circle either way: a module that needs another's type for its
+annotations only is typed against a protocol in a leaf module
+(``backends/protocol.py``) rather than importing it.
+
+The rule for an edge: ``import django_dlock.x.y`` and ``from django_dlock.x
+import y`` are edges to the longest module the dotted name names
+(``django_dlock.x.y`` if it is a module, else ``django_dlock.x``); ``from . import
+conf`` is an edge to ``conf``, not to the package's ``__init__``. A package's
+``__init__`` re-exporting its submodules counts as edges from it, as any module's
+imports do, so a submodule that imported a name from its package root would
+close a circle through it.
 """
 
 from __future__ import annotations
@@ -37,8 +49,13 @@ def _type_checking_only(node: ast.If) -> bool:
     )
 
 
-def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that ``module`` imports, at any level."""
+def _imports(
+    module: str, path: Path, modules: dict[str, Path], type_checking: bool = False
+) -> set[str]:
+    """The package's modules that ``module`` imports, at any level.
+
+    With ``type_checking``, also those it imports under ``if TYPE_CHECKING:``.
+    """
     is_package = path.name == "__init__.py"
     edges: set[str] = set()
 
@@ -50,7 +67,7 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
             edges.add(target)
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking_only(node):
+        if isinstance(node, ast.If) and _type_checking_only(node) and not type_checking:
             for child in node.orelse:
                 visit(child)
             return
@@ -79,9 +96,9 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return edges
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(type_checking: bool = False) -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(name, path, modules) for name, path in modules.items()}
+    return {name: _imports(name, path, modules, type_checking) for name, path in modules.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -127,6 +144,28 @@ def test_no_import_circle_among_the_package_modules() -> None:
     # The package's __init__ imports the public API from everywhere; a module
     # that imports a name from the package root would close a circle through it.
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_no_import_circle_counting_the_type_checking_imports() -> None:
+    """Annotations too: no module is typed against one that imports it, however far back."""
+    graph = _graph(type_checking=True)
+    assert _cycle(graph) is None, "import circle: " + " -> ".join(_cycle(graph) or [])
+
+
+def test_the_type_checking_imports_are_read() -> None:
+    graph = _graph(type_checking=True)
+    # handle.py imports the protocols only for its annotations.
+    assert "django_dlock.backends.protocol" in graph["django_dlock.handle"]
+    assert "django_dlock.backends.protocol" not in _graph()["django_dlock.handle"]
+
+
+def test_the_protocols_are_a_leaf() -> None:
+    """``backends/protocol.py`` imports value types only, so anything may be typed against it."""
+    graph = _graph(type_checking=True)
+    assert graph["django_dlock.backends.protocol"] <= {
+        "django_dlock.backends.offload",
+        "django_dlock.backends.types",
+    }
 
 
 def test_signals_is_a_leaf() -> None:

@@ -64,6 +64,8 @@ try:
     from django_dlock import renewer as renewer_mod
 except ImportError:  # a893e4f, before they were split out of handle.py and watchdog.py
     leases_mod = renewer_mod = None
+from django_dlock.backends.attempts import Attempt
+from django_dlock.backends.ops import MutexOps
 from django_dlock.exceptions import BackendUnavailable, LockLost
 from django_dlock.handle import HeldLock
 from django_dlock.signals import lock_lost
@@ -131,6 +133,8 @@ class SimBackend:
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
         self.renewal_key = self
+        self.attempt_class = Attempt
+        self.native_async = False
         self.offload = types.SimpleNamespace(wakes=types.SimpleNamespace(wake=lambda name: None))
 
     def drift(self, ttl: float) -> float:
@@ -367,8 +371,8 @@ class Simulation:
         self.server.keys[name] = (owner, now + ttl)
         self.server.ends[owner] = now + ttl
         held = HeldLock(
-            self.backend, name, owner, 1, ttl=ttl, expires=now + ttl, lease=ttl,
-            holder={}, renew=True,
+            self.backend, MutexOps(self.backend), name, owner, 1,
+            ttl=ttl, expires=now + ttl, lease=ttl, holder={}, renew=True,
         )  # fmt: skip
         self.handles.append(held)
         self.outcomes[id(held)] = []

@@ -12,7 +12,7 @@ import yaml
 pytest.importorskip("prometheus_client", reason="prometheus_client is not installed")
 from prometheus_client import CollectorRegistry, generate_latest
 
-from django_dlock import locks
+from django_dlock import lock
 from django_dlock.contrib import prometheus
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -23,7 +23,7 @@ def exported() -> set[str]:
     """Every series name the metrics expose once each has been touched."""
     metrics = prometheus.install(registry=CollectorRegistry())
     try:
-        with locks["locmem"].lock("docs-metrics:1"):
+        with lock("docs-metrics:1", backend="locmem"):
             pass
         text = generate_latest(metrics.registry).decode()
     finally:

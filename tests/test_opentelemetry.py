@@ -49,7 +49,7 @@ def test_a_wait_span_and_a_hold_span_with_token_and_backend(
     name = f"traced:{uuid.uuid4().hex[:8]}"
     parent = provider.get_tracer("test").start_as_current_span("request")
     with parent as request_span:
-        with locks[backend_alias].lock(name) as held:
+        with lock(name, backend=backend_alias) as held:
             time.sleep(0.02)
     (wait,) = finished(exporter, "dlock.wait")
     (hold,) = finished(exporter, "dlock.hold")
@@ -76,7 +76,7 @@ def test_a_contended_wait_spans_the_wait_and_a_timeout_is_an_error(
     with pytest.raises(LockTimeout):
         locks["locmem"].acquire(name, timeout=0)
     threading.Timer(0.2, holder.release).start()
-    with locks["locmem"].lock(name, timeout=5):
+    with lock(name, backend="locmem", timeout=5):
         pass
     waits = finished(exporter, "dlock.wait")
     timed_out = [s for s in waits if s.attributes["dlock.outcome"] == "timeout"]

@@ -98,7 +98,7 @@ def test_a_grant_counts_an_acquisition_a_wait_and_a_hold(
 ) -> None:
     name = f"grant:{uuid.uuid4().hex[:8]}"
     labels = {"backend": backend_alias, "pattern": "grant:*"}
-    with locks[backend_alias].lock(name):
+    with lock(name, backend=backend_alias):
         assert value(metrics, "dlock_held_leases", **labels) == 1
         time.sleep(0.05)
     assert value(metrics, "dlock_acquisitions_total", **labels) == 1
@@ -123,7 +123,7 @@ def test_a_contended_grant_and_a_timeout(metrics: prometheus.Metrics) -> None:
     # A one-shot try is not a wait that ran out (skipped tasks, guarded views).
     assert value(metrics, "dlock_refused_tries_total", **labels) == 1
     threading.Timer(0.3, holder.release).start()
-    with locks["locmem"].lock(name, timeout=5):
+    with lock(name, backend="locmem", timeout=5):
         pass
     assert value(metrics, "dlock_acquisitions_total", **labels) == 2
     assert value(metrics, "dlock_contended_acquisitions_total", **labels) == 1
@@ -182,7 +182,7 @@ def test_patterns_beyond_the_cap_are_counted_as_other(caplog: pytest.LogCaptureF
     metrics = prometheus.install(registry=CollectorRegistry(), max_patterns=2)
     try:
         for i in range(4):
-            with locks["locmem"].lock(f"fixed-{i}-{uuid.uuid4().hex[:6]}:1"):
+            with lock(f"fixed-{i}-{uuid.uuid4().hex[:6]}:1", backend="locmem"):
                 pass
         assert len(metrics._patterns) == 2
         assert value(metrics, "dlock_acquisitions_total", backend="locmem", pattern="~other") == 2
@@ -193,9 +193,9 @@ def test_patterns_beyond_the_cap_are_counted_as_other(caplog: pytest.LogCaptureF
 
 def test_a_long_pattern_is_counted_as_other(metrics: prometheus.Metrics) -> None:
     """Prometheus servers may refuse a scrape with long label values."""
-    with locks["locmem"].lock("x" * 99 + ":1"):
+    with lock("x" * 99 + ":1", backend="locmem"):
         pass
-    with locks["locmem"].lock("y" * 98 + ":1"):
+    with lock("y" * 98 + ":1", backend="locmem"):
         pass
     assert value(metrics, "dlock_acquisitions_total", backend="locmem", pattern="~other") == 1
     pattern = "y" * 98 + ":*"
@@ -206,7 +206,7 @@ def test_a_forked_child_does_not_count_its_parents_leases(metrics: prometheus.Me
     name = f"forked:{uuid.uuid4().hex[:8]}"
     labels = {"backend": "locmem", "pattern": "forked:*"}
     read, write = os.pipe()
-    with locks["locmem"].lock(name):
+    with lock(name, backend="locmem"):
         pid = os.fork()
         if pid == 0:  # the child: report, then leave at once
             try:
@@ -224,7 +224,7 @@ def test_a_forked_child_does_not_count_its_parents_leases(metrics: prometheus.Me
 
 def test_skipped_and_deferred_task_calls(metrics: prometheus.Metrics, redis_servers: Any) -> None:
     key = uuid.uuid4().hex[:8]
-    with locks["celery"].lock(f"metrics-skip:{key}"):
+    with lock(f"metrics-skip:{key}", backend="celery"):
         assert skipping.apply((key,)).result is None
     labels = {"backend": "celery", "pattern": "metrics-skip:{key}"}
     assert value(metrics, "dlock_tasks_skipped_total", **labels, scope="run") == 1
@@ -253,7 +253,7 @@ def test_a_queue_lease_adopted_by_its_run_keeps_the_task_pattern(
 def defer(task: Any, name: str, key: str) -> None:
     """Run ``task`` as a worker runs a message (its request pushed) while ``name`` is held."""
     task_id = str(uuid.uuid4())
-    with locks["celery"].lock(name):
+    with lock(name, backend="celery"):
         task.push_request(id=task_id, is_eager=False, called_directly=False, delivery_info={})
         try:
             with pytest.raises(Ignore):
@@ -269,7 +269,7 @@ def contend(alias: str, name: str) -> None:
     with pytest.raises(LockTimeout):
         locks[alias].acquire(name, timeout=0)
     threading.Timer(0.1, holder.release).start()
-    with locks[alias].lock(name, timeout=5):
+    with lock(name, backend=alias, timeout=5):
         pass
 
 
@@ -281,7 +281,7 @@ def _load(alias: str, seconds: float, errors: list[BaseException]) -> None:
         while time.monotonic() < deadline:
             i += 1
             try:
-                with locks[alias].lock(f"load:{i % 2}", timeout=0.02):
+                with lock(f"load:{i % 2}", backend=alias, timeout=0.02):
                     time.sleep(0.01)
             except LockTimeout:
                 pass
@@ -309,7 +309,7 @@ def test_exposition_under_load_shows_every_metric(
     for t in threads:
         t.start()
     key = uuid.uuid4().hex[:8]
-    with locks["celery"].lock(f"metrics-skip:{key}"):
+    with lock(f"metrics-skip:{key}", backend="celery"):
         skipping.apply((key,))
     defer(deferring, f"metrics-defer:{key}", key)
     for alias in ("redis", "locmem"):
@@ -378,7 +378,7 @@ def test_a_failing_metric_never_fails_the_lock(caplog: pytest.LogCaptureFixture)
 
     prometheus.install(registry=CollectorRegistry(), pattern=pattern)
     try:
-        with locks["locmem"].lock(f"failing:{uuid.uuid4().hex[:8]}") as held:
+        with lock(f"failing:{uuid.uuid4().hex[:8]}", backend="locmem") as held:
             assert not held.released
             held.ensure()
     finally:
@@ -392,7 +392,7 @@ def test_guarded_views_are_labelled_by_their_key(metrics: prometheus.Metrics) ->
     """A view's 409 is a refused try (timeout=0), under the view's key template."""
     client = Client()
     assert client.get("/order/7/").status_code == 200
-    with locks["locmem"].lock("order:8"):
+    with lock("order:8", backend="locmem"):
         assert client.get("/409/order/8/").status_code == 409
     labels = {"backend": "locmem", "pattern": "order:{order_id}"}
     assert value(metrics, "dlock_acquisitions_total", **labels) == 1

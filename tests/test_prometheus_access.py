@@ -9,7 +9,7 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.test import Client, override_settings
 
-from django_dlock import lock, locks
+from django_dlock import lock
 
 pytest.importorskip("prometheus_client", reason="prometheus_client is not installed")
 from prometheus_client import CollectorRegistry
@@ -22,7 +22,7 @@ TOKEN = "s3cret-scrape-token"
 @pytest.fixture
 def metrics() -> Iterator[prometheus.Metrics]:
     installed = prometheus.install(registry=CollectorRegistry())
-    with locks["locmem"].lock("access:1"):
+    with lock("access:1", backend="locmem"):
         pass
     yield installed
     prometheus.uninstall()
@@ -81,7 +81,7 @@ def test_a_name_without_a_colon_is_counted_under_one_bounded_label(
 ) -> None:
     """An e-mail address or a user id as a lock name must not become a label value."""
     for name in ("alice@example.com", "bob@example.com", "nightly-report"):
-        with locks["locmem"].lock(name):
+        with lock(name, backend="locmem"):
             pass
     labels = {"backend": "locmem", "pattern": "~no-prefix"}
     assert metrics.registry.get_sample_value("dlock_acquisitions_total", labels) == 3

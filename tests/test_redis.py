@@ -34,11 +34,11 @@ from django_dlock.backends.redis import (
     SIGNAL_TTL_MS,
     WAITER_LEASE_MS,
     RedisBackend,
+    RedisLocks,
     RedlockBackend,
     scripts,
     slot_scripts,
 )
-from django_dlock.backends.slots import SlotView
 from django_dlock.checks import check_backends
 from django_dlock.exceptions import LockConfigurationError
 from tests.netproxy import Proxy
@@ -448,7 +448,7 @@ def test_get_reads_the_lease_on_exactly_one_name(
     alias: str, name: str, redis_servers: dict[str, Any]
 ) -> None:
     backend = locks[alias]
-    assert isinstance(backend, RedisBackend)
+    assert isinstance(backend, RedisLocks)
     assert backend.do_get(name) is None
     with lock(f"{name}:child", backend=alias):
         assert backend.do_get(name) is None  # a name, not a prefix
@@ -582,7 +582,7 @@ def test_fair_release_hands_the_lock_to_the_first_waiter(name: str) -> None:
 def test_fair_waiter_granted_while_giving_up_passes_the_lock_on(name: str) -> None:
     backend = _fair()
     backend.do_acquire(name, "holder", 30, "{}")
-    gives_up = backend.attempt(name, "gives-up", 30, ({}, "{}"), True)
+    gives_up = backend.ops().attempt(name, "gives-up", 30, ({}, "{}"), True, None)
     assert gives_up.try_acquire() is None  # queued
     backend.do_acquire(name, "patient", 30, "{}")
     backend.do_release(name, "holder")
@@ -623,7 +623,7 @@ def test_unfair_waiter_that_waited_too_long_is_queued_and_served_next(name: str)
     backend = locks["redis"]
     assert isinstance(backend, RedisBackend)
     assert isinstance(backend.do_acquire(name, "holder", 0.3, "{}"), int)
-    starving = backend.attempt(name, "starving", 30, ({}, "{}"), True)
+    starving = backend.ops().attempt(name, "starving", 30, ({}, "{}"), True, None)
     assert starving.try_acquire() is None
     assert starving.since is not None
     starving.since -= 1  # as if it had waited 1 s
@@ -643,7 +643,7 @@ def test_unfair_release_hands_over_to_a_queued_waiter(name: str) -> None:
     backend = locks["redis"]
     assert isinstance(backend, RedisBackend)
     backend.do_acquire(name, "holder", 30, "{}")
-    starving = backend.attempt(name, "starving", 30, ({}, "{}"), True)
+    starving = backend.ops().attempt(name, "starving", 30, ({}, "{}"), True, None)
     starving.try_acquire()
     assert starving.since is not None
     starving.since -= 1
@@ -680,7 +680,7 @@ def test_redlock_waiters_never_queue(name: str) -> None:
     backend = locks["redlock"]
     assert isinstance(backend, RedlockBackend)
     assert isinstance(backend.do_acquire(name, "holder", 30, "{}"), Grant | int)
-    waiter = backend.attempt(name, "waiter", 30, ({}, "{}"), True)
+    waiter = backend.ops().attempt(name, "waiter", 30, ({}, "{}"), True, None)
     assert waiter.try_acquire() is None
     assert waiter.since is not None
     waiter.since -= 10  # long past STARVE_AFTER
@@ -972,7 +972,7 @@ def _lease_end(alias: str, name: str) -> float:
     three down, that ends at the earlier expiry of the two live ones.
     """
     backend = locks[alias]
-    assert isinstance(backend, RedisBackend)
+    assert isinstance(backend, RedisLocks)
     ends = []
     for node in backend.nodes:
         before = time.monotonic()
@@ -1231,9 +1231,8 @@ def test_a_resent_unpark_loses_no_task(stalled: _Stalled, name: str) -> None:
 
 def test_a_resent_slot_release_is_not_reported_lost(stalled: _Stalled, name: str) -> None:
     backend = stalled.backend("stall", socket_timeout=0.3)
-    view = SlotView(backend, 2, 1)
-    view.acquire("warm-up", timeout=0).release()
-    held = view.acquire(name, ttl=30, renew=False)
+    backend.acquire("warm-up", limit=2, timeout=0).release()
+    held = backend.acquire(name, limit=2, ttl=30, renew=False)
     stalled.stall(0.4)
     assert backend.do_release_slot(name, held.owner) is True
     assert backend.semaphores(name) == []

@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator
@@ -46,52 +45,21 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..exceptions import BackendUnavailable, LockNotOwned, LockTimeout
 from ..handle import HeldLock
-from ..keys import acquiring_template
 from ..signals import lock_timeout
+from .backoff import backoff, outage_backoff
 from .offload import LONG_WAIT, finish
 from .types import Grant
 
 if TYPE_CHECKING:
-    from .base import BaseLockBackend
+    from .protocol import LeaseOps, LockService
 
 logger = logging.getLogger("django_dlock")
-
-#: Backoff of the default ``wait()``: first sleep, growth factor and ceiling (seconds).
-BACKOFF_FIRST = 0.002
-BACKOFF_FACTOR = 2.0
-BACKOFF_CEILING = 0.1
-
-#: Longest sleep between retries while the lock service is down, seconds.
-OUTAGE_BACKOFF_CEILING = 1.0
-# More doublings than any ceiling needs (0.002 * 2**64 is about 3.7e16 s).
-_MAX_DOUBLINGS = 64
 
 #: An acquire with no timeout that rides out an outage says so this often (seconds).
 OUTAGE_LOG_EVERY = 30.0
 
 #: A step of the loop: ("acquire" | "wait" | "abandon" | "release" | "sleep", arguments).
 Step = tuple[str, tuple[Any, ...]]
-
-
-def backoff(attempt: int, ceiling: float = BACKOFF_CEILING) -> float:
-    """The jittered sleep before retry ``attempt`` (0, 1, ...): doubling up to ``ceiling``.
-
-    The exponent stops growing long after any ceiling is reached: ``2.0 **
-    1024`` overflows a float, which a waiter reached after about 77 s of 0.1 s
-    sleeps.
-    """
-    ceiling = min(ceiling, BACKOFF_FIRST * BACKOFF_FACTOR ** min(attempt, _MAX_DOUBLINGS))
-    return random.uniform(ceiling / 2, ceiling)
-
-
-def outage_backoff(retry: int) -> float:
-    """The jittered sleep before retry ``retry`` while the service is down.
-
-    The waiting backoff, growing on to OUTAGE_BACKOFF_CEILING: many waiters
-    must not reconnect ten times a second each to a server that is coming
-    back up (each retry may also release its unknown attempt).
-    """
-    return backoff(retry, OUTAGE_BACKOFF_CEILING)
 
 
 class Attempt:
@@ -113,17 +81,25 @@ class Attempt:
         elif "await_free" in cls.__dict__:
             cls.waits_on_loop = True
 
+    backend: LockService
+
     def __init__(
         self,
-        backend: BaseLockBackend,
+        ops: LeaseOps,
         name: str,
         owner: str,
         ttl: float,
         holder: tuple[dict[str, Any], str],
         renew: bool,
+        template: str | None = None,
     ) -> None:
-        self.backend = backend
-        self.alias = backend.alias
+        #: The kind of lease (``ops.py``): every call to the lease goes through it.
+        self.ops = ops
+        #: The backend itself, never a view of it.
+        self.backend = ops.backend
+        self.alias = ops.backend.alias
+        #: The key template ``name`` was made from, if any (``HeldLock.template``).
+        self.template = template
         self.name = name
         self.owner = owner
         self.ttl = ttl
@@ -152,9 +128,7 @@ class Attempt:
     # --- the primitives a backend may override ------------------------------------------
 
     def try_acquire(self) -> int | Grant | None:
-        return self.backend.do_acquire(
-            self.name, self.owner, self.ttl, self.holder[1], renew=self.renew
-        )
+        return self.ops.try_acquire(self.name, self.owner, self.ttl, self.holder[1], self.renew)
 
     def wait(self, remaining: float | None) -> None:
         """Sleep an exponentially growing, jittered interval, never past the deadline."""
@@ -181,7 +155,7 @@ class Attempt:
             event.set()
 
     def release(self) -> bool:
-        return self.backend.do_release(self.name, self.owner)
+        return self.ops.release(self.name, self.owner)
 
     async def atry_acquire(self) -> int | Grant | None:
         return await asyncio.to_thread(self.try_acquire)
@@ -193,7 +167,7 @@ class Attempt:
         await asyncio.to_thread(self.abandon)
 
     async def arelease(self) -> bool:
-        return await self.backend.ado_release(self.name, self.owner)
+        return await self.ops.arelease(self.name, self.owner)
 
     async def await_free(self, remaining: float | None) -> None:
         """:meth:`wait` on the event loop: the backoff, cut short by a release here.
@@ -558,7 +532,7 @@ class Attempt:
                 name=self.name,
                 timeout=timeout,
                 waited=time.monotonic() - self.started,
-                template=acquiring_template.get(),
+                template=self.template,
             )
 
     def _too_slow(self) -> BackendUnavailable:
@@ -600,9 +574,10 @@ class Attempt:
         else:
             token, expires, lease = result, sent + self.ttl, self.ttl
         return HeldLock(
-            self.backend, self.name, self.owner, token,
+            self.backend, self.ops, self.name, self.owner, token,
             ttl=self.ttl, expires=expires, lease=lease, holder=self.holder[0], renew=self.renew,
             waited=time.monotonic() - self.started, contended=self.contended,
+            template=self.template,
         )  # fmt: skip
 
 

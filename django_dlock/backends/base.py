@@ -1,104 +1,21 @@
-"""The backend contract.
+"""The backend contract: :class:`BaseLockBackend`, and its mutex primitives.
 
 The base class owns everything that must behave the same on every backend:
 validating settings, owner tokens, deadlines on ``time.monotonic()``, the
 blocking loop (:class:`~.attempts.Attempt`), holder metadata, signals and the
 watchdog (through :class:`~django_dlock.handle.HeldLock`). A backend implements
 only atomic, single-step primitives, as redis-py's ``Lock.acquire`` delegates
-to ``do_acquire``; ``docs/development.md`` walks through writing one.
+to ``do_acquire``: each is documented, with its rule, at its stub below;
+``docs/development.md`` walks through writing one.
 
-``do_acquire(name, owner, ttl, holder, renew=True)``
-    One atomic attempt. If the lock is free or its lease has expired by the
-    service's clock, grant it to ``owner`` for ``ttl`` seconds, advance the
-    per-name fencing counter and store ``holder`` (JSON text); return the new
-    fencing token. Otherwise return None. A backend that learns of a lease
-    granted some other way (handed over by the previous holder, or found on a
-    retry) returns a :class:`Grant` saying when that lease ends. ``renew``
-    says whether the watchdog will renew the lease; a backend whose leases
-    are shared between locks (etcd) gives one that will not be renewed a
-    lease of its own, so that it still ends after ``ttl``.
-``do_release(name, owner)`` / ``do_extend(name, owner, ttl)`` / ``do_check(name, owner)``
-    Compare the owner on the server, atomically with the change; return
-    whether ``owner`` held a live lease.
-``do_break(name, token)``
-    Delete the live lease whoever holds it, or only if its fencing token is
-    ``token`` when that is not None; return whether a lease was deleted.
-``do_list(prefix)``
-    The live leases whose names start with ``prefix``.
-``do_iter_list(prefix)``
-    The same, sorted by name, as an iterator (``manage.py locks --json``
-    writes each lease as it comes). The default sorts ``do_list``; a backend
-    that can read its leases in name order, a page at a time, yields them so
-    (Redis), and a listing then takes memory for a page, not for every lease.
-``do_get(name)``
-    The live lease on exactly ``name`` (a :class:`LockInfo`, as ``do_list``
-    gives it), or None; one lookup, not a listing by prefix.
-``ado_release`` / ``ado_extend`` / ``ado_check``
-    The same, awaitable, for the async API. The defaults run the sync
-    primitive in a thread of the backend's own ``ops`` executor, never the
-    event loop's default one, where waiting acquisitions would hold it up
-    (``offload.py``); a backend that sets ``native_async`` talks to the
-    service from the event loop (Redis on one server).
-``do_extend_many(leases)`` / ``do_extend_slots_many(leases)``
-    Renew up to ``renew_batch`` leases ``(name, owner, ttl)``; per lease, what
-    ``do_extend`` would return, or raise. Defaults: one lease at a time.
-``do_ping()``
-    One round trip to the service; return its name and version
-    (``"Redis 7.0.15"``) and warnings about parts of it that did not answer
-    although locking still works (a Redlock master). Raise
-    ``BackendUnavailable`` if it cannot lock.
-``attempt_class``
-    The :class:`~.attempts.Attempt` that one acquisition makes: its
-    ``try_acquire()`` calls ``do_acquire``, its ``wait(remaining)`` backs off
-    with jitter and its ``abandon()`` does nothing. A backend that can wake a
-    waiter, or queues waiters, subclasses it and keeps what one acquisition
-    learns on that object (with ``native_async``, also its awaitable twins).
-``do_detach(name, owner)`` / ``do_adopt(name, owner, new_owner, ttl, state)``
-    Hand a held lease to another process: ``do_detach`` forgets it here
-    without releasing it and returns what another process needs to keep it
-    (JSON-serializable; the default: nothing, the owner token is enough).
-    ``do_adopt`` moves the live lease of ``owner`` to ``new_owner`` and makes
-    it run ``ttl`` seconds from now, in one atomic step on the service;
-    it returns False if ``owner`` no longer holds it (it ran out, was broken,
-    or was adopted already), so that one ticket is adopted at most once.
-``do_release_ticket(name, owner, state)``
-    Release a handed-over lease that nobody adopted; owner-checked like
-    ``do_release`` (the default calls it), so it is False once adopted.
-
-Semaphores and read/write locks (``slots.py``; a backend that has them sets
-``supports_semaphores``) live in a keyspace of their own, apart from the
-mutexes, and have primitives of their own, all atomic on the service:
-
-``do_acquire_slot(name, owner, ttl, holder, renew, limit, weight)``
-    Drop the holders and waiters of semaphore ``name`` whose leases ended by
-    the service's clock. If a live holder or waiter has another limit, raise
-    ``self.limit_mismatch(name, limit, theirs)``. Grant ``owner`` a slot
-    (as ``do_acquire``: a token from the name's fencing counter, a lease of
-    ``ttl``, ``holder`` stored) if the weights held plus ``weight`` fit in
-    ``limit`` and, when ``weight < limit``, no other owner waits with
-    ``weight == limit`` (a writer: a waiting writer stops new readers);
-    granted, ``owner``'s waiter record goes. Refused, record or refresh
-    ``owner`` as a waiter (``weight``, ``limit``, ending ``ttl`` from now) and
-    return None. A backend that queues waiters (etcd) grants in arrival order.
-``do_leave_slot(name, owner)``
-    Forget ``owner``'s waiter record (the attempt gave up).
-``do_release_slot`` / ``do_extend_slot`` / ``do_check_slot``
-    As ``do_release``/``do_extend``/``do_check``, for ``owner``'s slot.
-``do_break_slot(name, token)``
-    Delete the slot with fencing token ``token`` (None: every slot of
-    ``name``); return how many went.
-``do_list_slots(prefix)``
-    The live holders and waiters of semaphores whose names start with ``prefix``.
-``do_park(name, key, order, payload)`` / ``do_unpark(name, count)``
-``do_unpark_key(name, key)`` / ``do_list_parked(prefix)``
-    The queue of Celery tasks parked on semaphore ``name``: add or replace
-    the entry ``key`` (kept until unparked: no lease); remove and return the
-    ``count`` entries of smallest ``order``; remove one entry; list them.
-
-Capabilities are declared as attributes (``supports_fair``,
-``supports_wakeups``, ``supports_multiprocess``, ``supports_shared_leases``),
-and the conformance suite skips, with the reason, what a backend declares it
-cannot do.
+Two parts of the contract are opt-in, each a class of its own that a backend
+derives from to declare it: semaphores and read/write locks
+(:class:`~.semaphore_backend.SemaphoreBackend`, ``supports_semaphores``) and
+the queues of parked Celery tasks (:class:`~.parking_backend.ParkingBackend`,
+``supports_parking``). Other capabilities are declared as attributes
+(``supports_fair``, ``supports_wakeups``, ``supports_multiprocess``,
+``supports_shared_leases``), and the conformance suite skips, with the
+reason, what a backend declares it cannot do.
 """
 
 from __future__ import annotations
@@ -129,21 +46,17 @@ from ..exceptions import (
     BackendUnavailable,
     InvalidLockOption,
     InvalidTTL,
-    LimitMismatch,
     LockConfigurationError,
     LockNotOwned,
 )
-from ..handle import HeldLock, Ticket
-from ..lock import Lock
+from ..handle import HeldLock
+from ..keys import acquiring_template
 from ..signals import lock_broken
-from .attempts import (
-    BACKOFF_CEILING,
-    OUTAGE_BACKOFF_CEILING,
-    Attempt,
-    backoff,
-    outage_backoff,
-)
+from ..tickets import Ticket
+from .attempts import Attempt
+from .backoff import BACKOFF_CEILING, OUTAGE_BACKOFF_CEILING, backoff, outage_backoff
 from .offload import Handoff, Offload, release_unwanted, retrieve_outcome
+from .ops import MutexOps, SlotOps
 from .probe import probe
 from .types import (
     Grant,
@@ -201,14 +114,17 @@ class BaseLockBackend:
     #: Do its statements run on Django's database connections (which a
     #: rollback is still resetting when the callbacks it drops are freed)?
     uses_django_connections: ClassVar[bool] = False
-    #: What one acquisition makes: try, wait, give up (see ``attempts.py``).
+    #: The :class:`~.attempts.Attempt` one acquisition makes: its
+    #: ``try_acquire()`` calls ``do_acquire``, its ``wait()`` backs off with
+    #: jitter, its ``abandon()`` does nothing. A backend that wakes or queues
+    #: waiters subclasses it and keeps what one acquisition learns there.
     attempt_class: ClassVar[type[Attempt]] = Attempt
-    #: Does it keep semaphores and read/write locks (the ``*_slot`` primitives)?
+    #: Does it keep semaphores and read/write locks? True on a
+    #: :class:`~.semaphore_backend.SemaphoreBackend` (the ``*_slot`` primitives).
     supports_semaphores: ClassVar[bool] = False
-    #: Are a semaphore's waiters granted in the order they first asked?
-    supports_fair_semaphores: ClassVar[bool] = False
-    #: What one acquisition of a semaphore makes (None: ``slots.SlotAttempt``).
-    slot_attempt_class: ClassVar[type[Attempt] | None] = None
+    #: Does it keep queues of parked Celery tasks? True on a
+    #: :class:`~.parking_backend.ParkingBackend`.
+    supports_parking: ClassVar[bool] = False
     #: How many leases one ``do_extend_many`` call renews at most.
     renew_batch: ClassVar[int] = 50
     #: ``OPTIONS`` keys this backend accepts; anything else is an error.
@@ -283,105 +199,124 @@ class BaseLockBackend:
             raise self.config_error(f"OPTIONS[{key!r}] must be a positive, finite number.")
         return float(value)
 
-    # --- primitives -----------------------------------------------------------------
+    # --- the mutex primitives: each one atomic step on the service, by its clock ------
 
     def do_acquire(
         self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
     ) -> int | Grant | None:
+        """One atomic attempt: grant ``name`` to ``owner`` if it is free or its lease ran out.
+
+        Granted: a lease of ``ttl`` seconds, the name's fencing counter
+        advanced (tokens never repeat, not even after the service lost its
+        data) and ``holder`` (JSON text) stored; return the token. Refused:
+        None. A lease learned of some other way (handed over by the previous
+        holder, or found on a retry) is a :class:`Grant` saying when it ends.
+        ``renew`` says whether the watchdog will renew it; a backend whose
+        leases are shared (etcd) gives one that will not be a lease of its own.
+        """
         raise NotImplementedError
 
     def do_release(self, name: str, owner: str) -> bool:
+        """Delete ``owner``'s live lease on ``name``, owner-checked in the same step.
+
+        Whether ``owner`` held a live lease.
+        """
         raise NotImplementedError
 
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
+        """Make ``owner``'s live lease run ``ttl`` seconds from now, owner-checked.
+
+        Whether ``owner`` held a live lease.
+        """
         raise NotImplementedError
 
     def do_check(self, name: str, owner: str) -> bool:
+        """Whether ``owner`` holds a live lease on ``name`` now (``held.ensure()``)."""
         raise NotImplementedError
 
     def do_extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | Exception]:
+        """Renew up to ``renew_batch`` leases ``(name, owner, ttl)``: per lease, as ``do_extend``.
+
+        Each lease's answer or its error. The default: one lease at a time.
+        """
         return extend_each(self.do_extend, leases)
 
-    def do_extend_slots_many(
-        self, leases: Sequence[tuple[str, str, float]]
-    ) -> list[bool | Exception]:
-        return extend_each(self.do_extend_slot, leases)
-
     def do_break(self, name: str, token: int | None) -> bool:
+        """Delete the live lease on ``name`` whoever holds it; whether one went.
+
+        With ``token``, only if the lease's fencing token is ``token``, in the
+        same step.
+        """
         raise NotImplementedError
 
     def do_ping(self) -> tuple[str, tuple[str, ...]]:
+        """One round trip: the service and version (``"Redis 7.0.15"``) and warnings.
+
+        Warnings name parts that did not answer although locking works (a
+        Redlock master). Raise ``BackendUnavailable`` if it cannot lock.
+        """
         raise NotImplementedError
 
     def do_list(self, prefix: str) -> list[LockInfo]:
+        """The live leases whose names start with ``prefix``, in any order."""
         raise NotImplementedError
 
     def do_iter_list(self, prefix: str) -> Iterator[LockInfo]:
+        """``do_list``, sorted by name, as an iterator (``manage.py locks --json``).
+
+        The default sorts ``do_list``; a backend that reads its leases in name
+        order a page at a time (Redis) yields them so, in a page's memory.
+        """
         return iter(sorted(self.do_list(prefix), key=attrgetter("name")))
 
     def do_get(self, name: str) -> LockInfo | None:
+        """The live lease on exactly ``name``, as ``do_list`` gives it, or None; one lookup."""
         raise NotImplementedError
 
     def do_detach(self, name: str, owner: str) -> Any:
-        """Forget ``owner``'s lease here without releasing it; return what adopting needs."""
+        """Forget ``owner``'s lease here without releasing it; return what adopting needs.
+
+        JSON-serializable; the default: nothing, the owner token is enough.
+        """
         return None
 
     def do_adopt(self, name: str, owner: str, new_owner: str, ttl: float, state: Any) -> bool:
+        """Move ``owner``'s live lease to ``new_owner``, running ``ttl`` from now, in one step.
+
+        False if ``owner`` no longer holds it (it ran out, was broken or was
+        adopted already): one ticket is adopted at most once.
+        """
         raise NotImplementedError
 
     def do_release_ticket(self, name: str, owner: str, state: Any) -> bool:
-        """Release a lease ``do_detach`` handed over, if ``owner`` still holds it."""
+        """Release a lease ``do_detach`` handed over, if ``owner`` still holds it.
+
+        Owner-checked as ``do_release`` (the default calls it): False once adopted.
+        """
         return self.do_release(name, owner)
 
-    # --- semaphores and read/write locks: see the module docstring -----------------------
-
-    def do_acquire_slot(
-        self, name: str, owner: str, ttl: float, holder: str, renew: bool, limit: int, weight: int
-    ) -> int | Grant | None:
-        raise NotImplementedError
-
-    def do_leave_slot(self, name: str, owner: str) -> None:
-        raise NotImplementedError
-
-    def do_release_slot(self, name: str, owner: str) -> bool:
-        raise NotImplementedError
-
-    def do_extend_slot(self, name: str, owner: str, ttl: float) -> bool:
-        raise NotImplementedError
-
-    def do_check_slot(self, name: str, owner: str) -> bool:
-        raise NotImplementedError
-
-    def do_break_slot(self, name: str, token: int | None) -> int:
-        raise NotImplementedError
-
-    def do_list_slots(self, prefix: str) -> list[SlotEntry]:
-        raise NotImplementedError
+    # --- parking: a ParkingBackend's part (parking_backend.py) -------------------------
+    # Kept here, as refusals, only while celery.py and parking.py call them on
+    # any backend: remove them once those type their callers against
+    # ParkingBackend (they check ``supports_parking`` first).
 
     def do_park(self, name: str, key: str, order: int, payload: str) -> None:
-        raise NotImplementedError
+        raise self._no_parking()
 
     def do_unpark(self, name: str, count: int) -> list[ParkedTask]:
-        raise NotImplementedError
+        raise self._no_parking()
 
     def do_unpark_key(self, name: str, key: str) -> bool:
-        raise NotImplementedError
+        raise self._no_parking()
 
     def do_list_parked(self, prefix: str) -> list[ParkedTask]:
-        raise NotImplementedError
+        raise self._no_parking()
 
-    def limit_mismatch(self, name: str, limit: int, held_limit: int) -> LimitMismatch:
-        """The error ``do_acquire_slot`` raises when ``name`` is held with another limit."""
-        from .slots import describe_limit
-
-        return LimitMismatch(
-            f"Semaphore {name!r} on backend {self.alias!r} is held as "
-            f"{describe_limit(held_limit)}, not as {describe_limit(limit)}: release "
-            "its holders (or let their leases end) before changing its limit.",
-            name=name,
-            backend=self.alias,
-            limit=limit,
-            held_limit=held_limit,
+    def _no_parking(self) -> LockConfigurationError:
+        return LockConfigurationError(
+            f"Lock backend {self.alias!r} ({self.path}) keeps no parked tasks: "
+            "on_locked='defer' needs a backend that does (supports_parking).",
+            alias=self.alias,
         )
 
     def check(self) -> list[CheckMessage]:
@@ -401,6 +336,7 @@ class BaseLockBackend:
     native_async: bool = False
 
     async def ado_release(self, name: str, owner: str) -> bool:
+        """``do_release``, awaited: in a thread of the ``ops`` executor unless native."""
         return await asyncio.wrap_future(self.offload.submit("ops", self.do_release, name, owner))
 
     async def ado_extend(self, name: str, owner: str, ttl: float) -> bool:
@@ -421,8 +357,19 @@ class BaseLockBackend:
         timeout: float | None = None,
         metadata: Mapping[str, Any] | None = None,
         renew: bool = True,
+        limit: int | None = None,
+        weight: int = 1,
+        template: str | None = None,
     ) -> HeldLock:
         """Acquire ``name``, waiting up to ``timeout`` seconds (None: forever, 0: one try).
+
+        Every lease enters here. ``limit=None`` is a mutex; otherwise a slot
+        of ``weight`` in the semaphore of ``limit`` (``Semaphore`` and
+        ``RWLock`` call this; a read/write lock is the semaphore of
+        ``slots.RW_LIMIT``, a writer weighing all of it). ``limit`` on a
+        backend without semaphores raises ``LockConfigurationError`` before
+        any I/O. ``template`` is the key template ``name`` was made from, if
+        any: what metrics and traces label the lease by (``HeldLock.template``).
 
         Raises :class:`~django_dlock.LockTimeout` when the deadline passes first.
         While the lock service is unavailable the attempt is retried with
@@ -431,13 +378,10 @@ class BaseLockBackend:
         fails fast, and errors no retry can fix (a wrong password) are raised
         at once.
         """
-        return self._acquire(
-            validate_name(name),
-            None if ttl is None else validate_ttl(ttl),
-            validate_timeout(timeout),
-            metadata,
-            renew,
+        _, attempt, timeout, deadline = self._begin(
+            name, ttl, timeout, metadata, renew, limit, weight, template
         )
+        return attempt.run(timeout, deadline)
 
     async def aacquire(
         self,
@@ -447,51 +391,15 @@ class BaseLockBackend:
         timeout: float | None = None,
         metadata: Mapping[str, Any] | None = None,
         renew: bool = True,
+        limit: int | None = None,
+        weight: int = 1,
+        template: str | None = None,
     ) -> HeldLock:
-        """:meth:`acquire`, awaited: with ``native_async``, no blocking call."""
-        return await self._aacquire(
-            validate_name(name),
-            None if ttl is None else validate_ttl(ttl),
-            validate_timeout(timeout),
-            metadata,
-            renew,
+        """:meth:`acquire`, awaited: with native async, no blocking call."""
+        ops, attempt, timeout, deadline = self._begin(
+            name, ttl, timeout, metadata, renew, limit, weight, template
         )
-
-    def attempt(
-        self, name: str, owner: str, ttl: float, holder: tuple[dict[str, Any], str], renew: bool
-    ) -> Attempt:
-        """A new :class:`~.attempts.Attempt` of this backend's ``attempt_class``."""
-        return self.attempt_class(self, name, owner, ttl, holder, renew)
-
-    def _acquire(
-        self,
-        name: str,
-        ttl: float | None,
-        timeout: float | None,
-        metadata: Mapping[str, Any] | None,
-        renew: bool,
-    ) -> HeldLock:
-        """``acquire()`` with its arguments validated."""
-        if ttl is None:
-            ttl = self.default_ttl
-        deadline = None if timeout is None else time.monotonic() + timeout
-        attempt = self.attempt(name, new_owner(), ttl, holder_metadata(ttl, metadata), renew)
-        return attempt.run(timeout, deadline)
-
-    async def _aacquire(
-        self,
-        name: str,
-        ttl: float | None,
-        timeout: float | None,
-        metadata: Mapping[str, Any] | None,
-        renew: bool,
-    ) -> HeldLock:
-        """``aacquire()`` with its arguments validated."""
-        if ttl is None:
-            ttl = self.default_ttl
-        deadline = None if timeout is None else time.monotonic() + timeout
-        attempt = self.attempt(name, new_owner(), ttl, holder_metadata(ttl, metadata), renew)
-        if self.native_async:
+        if ops.native_async:
             return await attempt.arun(timeout, deadline)
         if attempt.waits_on_loop:
             # Tries in threads, waits on the event loop: no thread is held
@@ -516,12 +424,55 @@ class BaseLockBackend:
             acquiring.add_done_callback(release_unwanted if release else retrieve_outcome)
             raise
 
+    def ops(self, limit: int | None = None, weight: int = 1) -> MutexOps | SlotOps:
+        """The kind of lease ``limit`` and ``weight`` name on this backend (``ops.py``).
+
+        Here, a mutex: a ``limit`` raises ``LockConfigurationError``, naming
+        the alias, before any I/O. A :class:`~.semaphore_backend.SemaphoreBackend`
+        gives a semaphore's slot for one.
+        """
+        if limit is not None:
+            raise self._no_semaphores("limit=")
+        return MutexOps(self)
+
+    def _no_semaphores(self, what: str) -> LockConfigurationError:
+        return LockConfigurationError(
+            f"Lock backend {self.alias!r} ({self.path}) has no semaphores or read/write "
+            f"locks: {what} needs a backend that has them (supports_semaphores).",
+            alias=self.alias,
+        )
+
+    def _begin(
+        self,
+        name: str,
+        ttl: float | None,
+        timeout: float | None,
+        metadata: Mapping[str, Any] | None,
+        renew: bool,
+        limit: int | None,
+        weight: int,
+        template: str | None,
+    ) -> tuple[MutexOps | SlotOps, Attempt, float | None, float | None]:
+        """The checked arguments' lease kind, its attempt and deadline; no I/O."""
+        name = validate_name(name)
+        ttl = self.default_ttl if ttl is None else validate_ttl(ttl)
+        timeout = validate_timeout(timeout)
+        ops = self.ops(limit, weight)
+        if template is None:
+            # Until the task adapters pass template= (keys.templated, marked for removal).
+            template = acquiring_template.get()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        holder = holder_metadata(ttl, metadata)
+        attempt = ops.attempt(name, new_owner(), ttl, holder, renew, template)
+        return ops, attempt, timeout, deadline
+
     def adopt(
         self,
         ticket: Mapping[str, Any],
         *,
         ttl: float | None = None,
         renew: bool = True,
+        template: str | None = None,
     ) -> HeldLock:
         """Take up a lease that :meth:`HeldLock.detach` handed over, in this or another process.
 
@@ -543,8 +494,9 @@ class BaseLockBackend:
                 backend=self.alias,
             )
         return HeldLock(
-            self, t.name, adopter, t.token,
+            self, MutexOps(self), t.name, adopter, t.token,
             ttl=ttl, expires=sent + ttl, lease=ttl, holder=t.holder, renew=renew, adopted=True,
+            template=acquiring_template.get() if template is None else template,
         )  # fmt: skip
 
     def release_ticket(self, ticket: Mapping[str, Any]) -> bool:
@@ -566,10 +518,6 @@ class BaseLockBackend:
         as gone that much earlier. Redlock counts its masters' drift here.
         """
         return 0.0
-
-    def lock(self, name: str, **kwargs: Any) -> Lock:
-        """``lock(name, backend=<this alias>, **kwargs)``."""
-        return Lock(name, backend=self.alias, **kwargs)
 
     def list(self, prefix: str = "") -> list[LockInfo]:
         """Live leases whose names start with ``prefix``, sorted by name."""
@@ -614,29 +562,25 @@ class BaseLockBackend:
             lock_broken.send(sender=type(self), backend=self.alias, name=name, token=token)
         return broken
 
+    # --- semaphores: none here; a SemaphoreBackend overrides these -------------------
+
     def semaphores(self, prefix: str = "") -> builtins.list[SemaphoreInfo]:
-        """Semaphores and read/write locks whose names start with ``prefix``, sorted by name.
+        """Semaphores and read/write locks under ``prefix``: none on a backend without them.
 
-        Each with its limit, its holders (by fencing token), how many wait,
-        and how many Celery tasks are parked on it.
+        A :class:`~.semaphore_backend.SemaphoreBackend` lists them.
         """
-        from .slots import list_semaphores
+        validate_name(prefix, what="A lock name prefix")
+        return []
 
-        return list_semaphores(self, validate_name(prefix, what="A lock name prefix"))
+    def semaphore(self, name: str) -> SemaphoreInfo | None:
+        """The semaphore or read/write lock ``name``: None on a backend without them."""
+        validate_name(name)
+        return None
 
     def break_slot(self, name: str, token: int | None = None) -> int:
-        """Free the slot of semaphore (or read/write lock) ``name`` with fencing token ``token``.
-
-        None frees every slot. Returns how many were freed; their holders
-        find out as a mutex's do (``LockLost``).
-        """
-        name = validate_name(name)
-        if token is not None and (isinstance(token, bool) or not isinstance(token, int)):
-            raise TypeError(f"token must be an int or None, not {type(token).__name__}.")
-        broken = self.do_break_slot(name, token)
-        if broken:
-            lock_broken.send(sender=type(self), backend=self.alias, name=name, token=token)
-        return broken
+        """Free a semaphore's slot; a backend without semaphores has none to free."""
+        validate_name(name)
+        raise self._no_semaphores("break_slot()")
 
     def ping(self) -> ServerStatus:
         """Version and round trip, then a probe lease (probe.py); or ``BackendUnavailable``."""

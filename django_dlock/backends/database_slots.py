@@ -49,7 +49,9 @@ from .._validation import load_holder, micros_to_datetime
 from ..clocks import ms, wall_micros
 from ..commit_hooks import at_transaction_end
 from ..exceptions import LockInTransaction
-from .base import BaseLockBackend, LockInfo, ParkedTask, SlotEntry
+from .base import LockInfo, ParkedTask, SlotEntry
+from .parking_backend import ParkingBackend
+from .semaphore_backend import SemaphoreBackend
 from .sql import BINARY, IDLE_IN_TRANSACTION, SERVER_CLOCK, Busy, micros
 
 T = TypeVar("T")
@@ -140,10 +142,9 @@ class _SQL:
         self.list_parked = f"SELECT name, call_id, place, payload FROM {parked} WHERE {in_prefix}"
 
 
-class DatabaseSlots(BaseLockBackend):
+class DatabaseSlots(SemaphoreBackend, ParkingBackend):
     """The ``*_slot`` and parking primitives of :class:`~.database.DatabaseBackend`."""
 
-    supports_semaphores = True
     supports_fair_semaphores = False
 
     if TYPE_CHECKING:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from .._validation import load_holder, micros_to_datetime
 from ..clocks import wall_micros
-from .base import Attempt, BaseLockBackend, LockInfo, ParkedTask, SlotEntry
+from .base import Attempt, LockInfo, ParkedTask, SlotEntry
+from .parking_backend import ParkingBackend
+from .semaphore_backend import SemaphoreBackend
 from .slots import SlotAttempt
 
 
@@ -89,14 +91,16 @@ class LocMemAttempt(Attempt):
 class LocMemSlotAttempt(SlotAttempt):
     """Waits on the store's condition, until a holder's lease or a third of the TTL ends."""
 
+    backend: LocMemBackend
+
     def interrupt(self) -> None:
         """Wake every waiter of the store (each re-checks): this one sees it stopped."""
-        cond = cast(LocMemBackend, self.backend.base)._store.cond
+        cond = self.backend._store.cond
         with cond:
             cond.notify_all()
 
     def wait(self, remaining: float | None) -> None:
-        backend = cast(LocMemBackend, self.backend.base)
+        backend = self.backend
         bound = self.ttl / 3 if remaining is None else min(remaining, self.ttl / 3)
         with backend._store.cond:
             now = time.monotonic()
@@ -107,11 +111,10 @@ class LocMemSlotAttempt(SlotAttempt):
             backend._store.cond.wait(max(0.0, min(bound, first_end - now)))
 
 
-class LocMemBackend(BaseLockBackend):
+class LocMemBackend(SemaphoreBackend, ParkingBackend):
     supports_wakeups = True
     attempt_class = LocMemAttempt
     supports_multiprocess = False
-    supports_semaphores = True
     supports_fair_semaphores = False
     slot_attempt_class = LocMemSlotAttempt
 

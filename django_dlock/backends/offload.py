@@ -43,12 +43,18 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:
-    from ..handle import HeldLock
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+class Releasable(Protocol):
+    """A handle an abandoned async acquisition releases (``HeldLock``)."""
+
+    def release_quietly(self) -> None: ...
+
+
+R = TypeVar("R", bound=Releasable)
 
 #: Threads per backend for releases, extends, checks and abandons. (On the
 #: database backend each thread has a connection of its own while it has work;
@@ -287,7 +293,7 @@ class Handoff:
         self._abandoned = False
         self._delivered = False
 
-    def deliver(self, held: HeldLock) -> HeldLock:
+    def deliver(self, held: R) -> R:
         with self._mutex:
             self._delivered = not self._abandoned
         if not self._delivered:
@@ -301,17 +307,17 @@ class Handoff:
             return self._delivered
 
 
-def retrieve_outcome(acquiring: asyncio.Future[HeldLock]) -> None:
+def retrieve_outcome(acquiring: asyncio.Future[Any]) -> None:
     """Take the thread's exception, if any, so asyncio does not report it as unseen."""
     if not acquiring.cancelled():
         acquiring.exception()
 
 
-def release_unwanted(acquiring: asyncio.Future[HeldLock]) -> None:
+def release_unwanted(acquiring: asyncio.Future[Any]) -> None:
     """Release a delivered handle whose caller stopped waiting (off the event loop)."""
     if acquiring.cancelled() or acquiring.exception() is not None:
         return
-    held = acquiring.result()
+    held: Releasable = acquiring.result()
     threading.Thread(
         target=held.release_quietly, name="django-dlock-unwanted", daemon=True
     ).start()

@@ -30,7 +30,7 @@ from ..exceptions import BackendUnavailable, LockInTransaction
 from .sql import Busy
 
 if TYPE_CHECKING:
-    from .base import BaseLockBackend
+    from .protocol import LockService as BaseLockBackend
 
 #: The one name each backend's probe takes and releases.
 PROBE_NAME = f"{INTERNAL_PREFIX}probe"

@@ -42,7 +42,6 @@ from ...clocks import wall_micros
 from ...exceptions import BackendUnavailable
 from ..attempts import Attempt
 from ..base import (
-    BaseLockBackend,
     Grant,
     LockInfo,
     ParkedTask,
@@ -50,6 +49,8 @@ from ..base import (
     load_holder,
     micros_to_datetime,
 )
+from ..parking_backend import ParkingBackend
+from ..semaphore_backend import SemaphoreBackend
 from ..slots import SlotAttempt
 from .sessions import Entry, Sessions
 from .transport import (
@@ -84,12 +85,11 @@ class EtcdSlotAttempt(SlotAttempt):
 
     #: The revision at which the last try looked (0: try again at once).
     revision: int = 0
+    backend: EtcdSlots
 
     def try_acquire(self) -> int | Grant | None:
-        view = self.backend
-        slots: EtcdSlots = view.base  # type: ignore[assignment]
-        result, self.revision = slots.try_slot(
-            self.name, self.owner, self.ttl, self.holder[1], self.renew, view.limit, view.weight
+        result, self.revision = self.backend.try_slot(
+            self.name, self.owner, self.ttl, self.holder[1], self.renew, self.limit, self.weight
         )
         return result
 
@@ -100,14 +100,12 @@ class EtcdSlotAttempt(SlotAttempt):
         bound = self.ttl / 3
         timeout = bound if remaining is None else min(remaining, bound)
         if timeout > 0:
-            slots: EtcdSlots = self.backend.base  # type: ignore[assignment]
-            slots.watch_slots(self.name, self.revision, timeout, self)
+            self.backend.watch_slots(self.name, self.revision, timeout, self)
 
 
-class EtcdSlots(BaseLockBackend):
+class EtcdSlots(SemaphoreBackend, ParkingBackend):
     """The ``*_slot`` and parking primitives of :class:`~.backend.EtcdBackend`."""
 
-    supports_semaphores = True
     supports_fair_semaphores = True
     slot_attempt_class = EtcdSlotAttempt
 

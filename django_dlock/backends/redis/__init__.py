@@ -68,7 +68,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "The Redis lock backend needs redis-py: pip install 'django-dlock[redis]'"
     ) from e
 
-from .backend import STARVE_AFTER, WAIT_CAP, RedisBackend
+from .backend import STARVE_AFTER, WAIT_CAP, RedisBackend, RedisLocks
 from .redlock import RedlockBackend
 from .scripts import HANDOVER_LEASE_MS, SIGNAL_TTL_MS, WAITER_LEASE_MS
 
@@ -79,5 +79,6 @@ __all__ = [
     "WAITER_LEASE_MS",
     "WAIT_CAP",
     "RedisBackend",
+    "RedisLocks",
     "RedlockBackend",
 ]

@@ -27,7 +27,8 @@ from redis.retry import Retry
 
 from ...clocks import ms
 from ...exceptions import BackendUnavailable, LockConfigurationError
-from ..base import Attempt, Grant, LockInfo
+from ..base import BaseLockBackend, Grant, LockInfo
+from ..ops import MutexOps
 from ..probe import PROBE_NAME
 from ..redaction import redacted
 from .aio import AsyncNode
@@ -40,12 +41,12 @@ from .connections import (
     transient,
 )
 from .listing import get_lease, iter_node
-from .native_async import RedisNativeAsync
+from .native_async import RedisAttempt, RedisNativeAsync
 from .options import check_client_kwargs, check_url, tls_file_errors
 from .renewals import RedisRenewals
 from .scripts import WAITER_LEASE_MS, Keys, lock_key
-from .semaphores import RedisSemaphores
-from .waiters import Waiter, handed_over, take_handed
+from .semaphores import RedisParking, RedisSemaphores
+from .waiters import handed_over, take_handed
 
 #: Longest single blocking wait; waiters re-check at least this often.
 WAIT_CAP = 1.0
@@ -54,70 +55,12 @@ WAIT_CAP = 1.0
 STARVE_AFTER = 0.1
 
 
-class RedisAttempt(Attempt):
-    """One acquire call, and what it has learned while refused.
+class RedisLocks(RedisNativeAsync, BaseLockBackend):
+    """The mutex core of the Redis backends; see the package docstring for the key layout.
 
-    Its waits block on a Redis list (BLPOP) that a release pushes to; once
-    queued (``fair``, or an unfair waiter starving), on its own list, which
-    the previous holder pushes the hand-over to. The same object serves the
-    sync loop and, on one server, the asyncio one.
-    """
-
-    backend: RedisBackend
-    #: When it was first refused, by our clock (unfair waiters queue after
-    #: STARVE_AFTER); None until then.
-    since: float | None = None
-    #: The holder's lease left at the latest refusal, in ms (0: unknown).
-    holder_pttl_ms: int = 0
-    #: Once queued: (our clock when that attempt was sent, server clock in us).
-    queued_at: tuple[float, int] | None = None
-    #: A lease the previous holder handed over, seen by wait().
-    handed: Grant | None = None
-    #: What the event loop's notifier knows of it (native async; waiters.py).
-    waiter: Waiter | None = None
-    #: The server's clock when a try first queued it (async, not native).
-    first_queued_us: int | None = None
-    #: Redlock: the masters (indexes) that answered the latest try; a wait
-    #: blocks on one of them, not on one that may not answer at all.
-    answered: tuple[int, ...] | None = None
-
-    def try_acquire(self) -> int | Grant | None:
-        return self.backend._try_acquire(self)
-
-    def wait(self, remaining: float | None) -> None:
-        self.backend._block(self, remaining)
-
-    def abandon(self) -> None:
-        self.backend._abandon(self)
-
-    async def await_free(self, remaining: float | None) -> None:
-        # Without native async (a Cluster, Redlock, django-redis): no BLPOP
-        # holding a thread and a connection per waiter; polled instead
-        # (a hand-over is granted at the next try).
-        await super().await_free(remaining)
-
-    def queued_rank(self) -> int | None:
-        # The server's clock at the first try that queued it: the queue is in
-        # that order (later tries refresh its place, they do not move it).
-        if self.queued_at is not None and self.first_queued_us is None:
-            self.first_queued_us = self.queued_at[1]
-        return self.first_queued_us
-
-    async def atry_acquire(self) -> int | Grant | None:
-        return await self.backend.atry_attempt(self)
-
-    async def await_(self, remaining: float | None) -> None:
-        await self.backend.ablock_attempt(self, remaining)
-
-    async def aabandon(self) -> None:
-        await self.backend.aabandon_attempt(self)
-
-
-class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
-    """Leases in Redis; see the package docstring for the key layout and scripts.
-
-    Its semaphores, read/write locks and parked tasks are in ``semaphores.py``;
-    the watchdog's batched renewals in ``renewals.py``.
+    :class:`RedisBackend` declares it with its parts (semaphores, parked
+    tasks, batched renewals); :class:`~.redlock.RedlockBackend`, over
+    independent masters, declares it alone.
     """
 
     supports_wakeups = True
@@ -402,7 +345,9 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
         self, name: str, owner: str, ttl: float, holder: str, renew: bool = True
     ) -> int | Grant | None:
         """One attempt on its own (the acquire loop uses a RedisAttempt's try_acquire)."""
-        return self._try_acquire(self.attempt(name, owner, ttl, ({}, holder), renew))
+        return self._try_acquire(
+            MutexOps(self).attempt(name, owner, ttl, ({}, holder), renew, None)
+        )
 
     def _try_acquire(self, attempt: Any) -> int | Grant | None:
         handed = take_handed(attempt)
@@ -557,7 +502,16 @@ class RedisBackend(RedisNativeAsync, RedisRenewals, RedisSemaphores):
             attempt.handed = handed_over(attempt.queued_at, text(popped[1]))
 
 
-_backends: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
+class RedisBackend(RedisSemaphores, RedisParking, RedisRenewals, RedisLocks):
+    """Leases in Redis on one server, a Cluster or a django-redis pool.
+
+    The mutex core (:class:`RedisLocks`) with three parts: semaphores and
+    read/write locks (``semaphores.py``), parked Celery tasks (the same
+    module) and the watchdog's batched renewals (``renewals.py``).
+    """
+
+
+_backends: weakref.WeakSet[RedisLocks] = weakref.WeakSet()
 
 
 def _reset_after_fork() -> None:

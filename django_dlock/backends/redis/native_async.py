@@ -1,4 +1,6 @@
-"""RedisBackend's native async path (single server; ``aio.py``): tries, waits, releases.
+"""A Redis acquisition (:class:`RedisAttempt`) and RedisBackend's native async path.
+
+The native path (single server; ``aio.py``): tries, waits, releases.
 
 A mixin of :class:`~.backend.RedisBackend`, as its renewals and semaphores
 are. Without native async (a Cluster, Redlock, django-redis) the ``ado_*``
@@ -13,14 +15,70 @@ from typing import TYPE_CHECKING, Any
 
 from ...clocks import ms
 from ...exceptions import BackendUnavailable
-from ..base import BaseLockBackend, Grant
+from ..base import Attempt, BaseLockBackend, Grant
 from .aio import AsyncNode
 from .connections import CLIENT_ERRORS, Node, as_bytes, text
 from .scripts import ABANDON, ACQUIRE, EXTEND, KEEP, RELEASE, WAITER_LEASE_MS, Keys
-from .waiters import SELF_CHECK, handed_over, take_handed
+from .waiters import SELF_CHECK, Waiter, handed_over, take_handed
 
-if TYPE_CHECKING:
-    from .backend import RedisAttempt
+
+class RedisAttempt(Attempt):
+    """One acquire call, and what it has learned while refused.
+
+    Its waits block on a Redis list (BLPOP) that a release pushes to; once
+    queued (``fair``, or an unfair waiter starving), on its own list, which
+    the previous holder pushes the hand-over to. The same object serves the
+    sync loop and, on one server, the asyncio one.
+    """
+
+    backend: RedisNativeAsync
+    #: When it was first refused, by our clock (unfair waiters queue after
+    #: STARVE_AFTER); None until then.
+    since: float | None = None
+    #: The holder's lease left at the latest refusal, in ms (0: unknown).
+    holder_pttl_ms: int = 0
+    #: Once queued: (our clock when that attempt was sent, server clock in us).
+    queued_at: tuple[float, int] | None = None
+    #: A lease the previous holder handed over, seen by wait().
+    handed: Grant | None = None
+    #: What the event loop's notifier knows of it (native async; waiters.py).
+    waiter: Waiter | None = None
+    #: The server's clock when a try first queued it (async, not native).
+    first_queued_us: int | None = None
+    #: Redlock: the masters (indexes) that answered the latest try; a wait
+    #: blocks on one of them, not on one that may not answer at all.
+    answered: tuple[int, ...] | None = None
+
+    def try_acquire(self) -> int | Grant | None:
+        return self.backend._try_acquire(self)
+
+    def wait(self, remaining: float | None) -> None:
+        self.backend._block(self, remaining)
+
+    def abandon(self) -> None:
+        self.backend._abandon(self)
+
+    async def await_free(self, remaining: float | None) -> None:
+        # Without native async (a Cluster, Redlock, django-redis): no BLPOP
+        # holding a thread and a connection per waiter; polled instead
+        # (a hand-over is granted at the next try).
+        await super().await_free(remaining)
+
+    def queued_rank(self) -> int | None:
+        # The server's clock at the first try that queued it: the queue is in
+        # that order (later tries refresh its place, they do not move it).
+        if self.queued_at is not None and self.first_queued_us is None:
+            self.first_queued_us = self.queued_at[1]
+        return self.first_queued_us
+
+    async def atry_acquire(self) -> int | Grant | None:
+        return await self.backend.atry_attempt(self)
+
+    async def await_(self, remaining: float | None) -> None:
+        await self.backend.ablock_attempt(self, remaining)
+
+    async def aabandon(self) -> None:
+        await self.backend.aabandon_attempt(self)
 
 
 class RedisNativeAsync(BaseLockBackend):
@@ -35,6 +93,10 @@ class RedisNativeAsync(BaseLockBackend):
     _outcome: Callable[[Any, RedisAttempt, float], int | Grant | None]
     _abandon_plan: Callable[[RedisAttempt], tuple[list[str], list[Any]] | None]
     _wait_plan: Callable[[RedisAttempt, float | None], tuple[str, float] | None]
+    # The sync side of RedisBackend, which RedisAttempt calls.
+    _try_acquire: Callable[[RedisAttempt], int | Grant | None]
+    _block: Callable[[RedisAttempt, float | None], None]
+    _abandon: Callable[[RedisAttempt], None]
 
     if TYPE_CHECKING:
 

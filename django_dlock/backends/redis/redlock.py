@@ -24,9 +24,9 @@ from django.core import checks
 from redis.exceptions import RedisError
 
 from ...exceptions import BackendUnavailable, LockConfigurationError
-from ..base import BaseLockBackend, Grant, LockInfo
+from ..base import Grant, LockInfo
 from ..probe import PROBE_NAME
-from .backend import RedisBackend
+from .backend import RedisLocks
 from .connections import Node, ask_version, text
 from .listing import list_node
 
@@ -133,8 +133,15 @@ class Master(Node):
             self._pool.shutdown(wait=False)
 
 
-class RedlockBackend(RedisBackend):
-    """Redlock over the independent masters listed in ``LOCATION``."""
+class RedlockBackend(RedisLocks):
+    """Redlock over the independent masters listed in ``LOCATION``: the mutex core only.
+
+    No semaphores (each master would count a semaphore's holders on its
+    own, and no majority of such counts bounds them), no parked tasks (a
+    queue on one master is no majority's), and renewals one lease a call,
+    each on a majority of the masters: it declares none of RedisBackend's
+    parts.
+    """
 
     @property
     def tells_server_time(self) -> bool:
@@ -147,15 +154,7 @@ class RedlockBackend(RedisBackend):
     # A master that is down must cost one refused connection, not retries.
     retries = 0
     node_class = Master
-    allowed_options = RedisBackend.allowed_options - {"connection"}
-    # A semaphore's holders would be counted by each master on its own, and
-    # no majority of such counts bounds the holders: no semaphores here.
-    supports_semaphores = False
-    # Its inherited parking queue would live on one master: no parking either.
-    supports_parking = False
-    # One renewal a call, each on a majority of the masters.
-    renew_batch = BaseLockBackend.renew_batch
-    do_extend_many = BaseLockBackend.do_extend_many
+    allowed_options = RedisLocks.allowed_options - {"connection"}
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         super().__init__(alias, params)

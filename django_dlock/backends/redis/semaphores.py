@@ -1,4 +1,8 @@
-"""Semaphores, read/write locks and parked tasks on Redis: :class:`RedisSemaphores`.
+"""Semaphores, read/write locks and parked tasks on Redis: two parts of the contract.
+
+:class:`RedisSemaphores` (``SemaphoreBackend``) and :class:`RedisParking`
+(``ParkingBackend``), which :class:`~.backend.RedisBackend` declares and
+:class:`~.redlock.RedlockBackend` does not.
 
 The scripts and their key layout are in ``slot_scripts.py``. A semaphore's
 keys carry the hash tag of its name's shard (the mutex's), so each script
@@ -8,19 +12,19 @@ and of its parked queues, read page by page as the mutex's index is.
 
 from __future__ import annotations
 
-import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..._validation import load_holders
 from ...clocks import ms
 from ...exceptions import BackendUnavailable
-from ..base import BaseLockBackend, Grant, LockInfo, ParkedTask, SlotEntry, micros_to_datetime
+from ..base import Grant, LockInfo, ParkedTask, SlotEntry, micros_to_datetime
+from ..parking_backend import ParkingBackend
 from ..slots import SlotAttempt
 from .connections import CLIENT_ERRORS, Node, text
 from .listing import lex_range
+from .semaphores_aio import RedisSemaphoresAsync
+from .slot_keys import RedisSlotKeys
 from .slot_scripts import (
     PARK,
     PARK_LIST,
@@ -45,23 +49,25 @@ class RedisSlotAttempt(SlotAttempt):
     A refused try learns when the semaphore may change by itself (the
     earliest lease, or waiting writer, that holds it back ends); its wait
     blocks on the wake list (BLPOP) no longer than that, a third of its TTL
-    (its waiter record must be refreshed before it ends) or WAIT_CAP.
+    (its waiter record must be refreshed before it ends) or WAIT_CAP. From
+    the event loop (native async on one server, or the polling of an async
+    acquisition elsewhere) it waits with no connection: the backoff, cut
+    short by a release in this process, and no longer than that either.
     """
 
     #: Milliseconds until the semaphore may change by itself, as of the
     #: latest refusal (0: unknown).
     change_ms: int = 0
 
+    backend: RedisSemaphores
+
     @property
     def redis(self) -> RedisSemaphores:
-        base = self.backend.base
-        assert isinstance(base, RedisSemaphores)
-        return base
+        return self.backend
 
     def try_acquire(self) -> int | Grant | None:
-        view = self.backend
         result, self.change_ms = self.redis.acquire_slot(
-            self.name, self.owner, self.ttl, self.holder[1], view.limit, view.weight
+            self.name, self.owner, self.ttl, self.holder[1], self.limit, self.weight
         )
         return result
 
@@ -69,56 +75,35 @@ class RedisSlotAttempt(SlotAttempt):
         self.redis.block_on_slot(self, remaining)
 
     async def await_free(self, remaining: float | None) -> None:
-        # Without native async (a Cluster, django-redis): polled on the
-        # event loop rather than a BLPOP holding a thread and a connection.
+        # Polled on the event loop rather than a BLPOP holding a thread and
+        # a connection; no longer than until the semaphore may change by itself.
+        if self.change_ms > 0:
+            soon = self.change_ms / 1000 + 0.001
+            remaining = soon if remaining is None else min(remaining, soon)
         await super().await_free(remaining)
 
+    # Native async (one server): the same script from the event loop.
 
-@dataclass(frozen=True)
-class SlotKeys:
-    """A semaphore's keys, in the order of the scripts' KEYS[1..9], and its queue's."""
-
-    slots: list[str]
-    done_prefix: str
-    park: list[str]
-
-
-class RedisSemaphores(BaseLockBackend):
-    """The ``*_slot`` and ``*park*`` primitives of :class:`~.backend.RedisBackend`."""
-
-    supports_semaphores = True
-    slot_attempt_class = RedisSlotAttempt
-
-    if TYPE_CHECKING:
-        # What RedisBackend provides: its nodes, tags, blocking bound, the
-        # lifetime of retry markers and its runner that maps RedisError.
-        shards: int
-        _tags: list[str]
-        _blocking_cap: float
-        _done_ms: int
-
-        @property
-        def nodes(self) -> list[Node]: ...
-
-        def tag(self, name: str) -> str: ...
-
-        def _single(self, name: str, call: Callable[[Node], Any]) -> Any: ...
-
-    def slot_keys(self, name: str) -> SlotKeys:
-        t = self.tag(name)
-        per_name = [f"{t}:sem:{kind}:{name}" for kind in ("h", "i", "w", "wi", "ww", "m", "wake")]
-        return SlotKeys(
-            slots=[*per_name, f"{t}:sem:fence", f"{t}:sem:idx"],
-            done_prefix=f"{t}:done:sem:",
-            park=[f"{t}:park:q:{name}", f"{t}:park:p:{name}", f"{t}:park:idx"],
+    async def atry_acquire(self) -> int | Grant | None:
+        result, self.change_ms = await self.redis.aacquire_slot(
+            self.name, self.owner, self.ttl, self.holder[1], self.limit, self.weight
         )
+        return result
 
-    def _marker(self, keys: SlotKeys, what: str) -> str:
-        """A retry marker's key: one per request, so that only a resend finds it."""
-        return f"{keys.done_prefix}{what}:{secrets.token_hex(8)}"
+    async def await_(self, remaining: float | None) -> None:
+        await self.await_free(remaining)
 
-    def _slot_script(self, name: str, script: Any, keys: list[str], args: list[Any]) -> Any:
-        return self._single(name, lambda node: node.run(script, keys, args))
+    async def aabandon(self) -> None:
+        await self.redis.ado_leave_slot(self.name, self.owner)
+
+
+class RedisSemaphores(RedisSemaphoresAsync):
+    """The ``*_slot`` primitives of :class:`~.backend.RedisBackend`: its semaphores part.
+
+    The awaitable ones, on one server, are native (``semaphores_aio.py``).
+    """
+
+    slot_attempt_class = RedisSlotAttempt
 
     # --- slots ------------------------------------------------------------------------
 
@@ -130,16 +115,7 @@ class RedisSemaphores(BaseLockBackend):
         args = [owner, name, ms(ttl), holder, limit, weight]
         sent = time.monotonic()
         reply = self._slot_script(name, SLOT_ACQUIRE, keys, args)
-        if not isinstance(reply, list):
-            return int(reply), 0
-        first, second = int(reply[0]), int(reply[1])
-        if first > 0:
-            # Ours already (a resend): the server had `second` ms left when it
-            # answered, which was no earlier than `sent`.
-            return Grant(first, sent + second / 1000, second / 1000), 0
-        if first < 0:
-            raise self.limit_mismatch(name, limit, second)
-        return None, second
+        return self.slot_outcome(name, limit, reply, sent)
 
     def block_on_slot(self, attempt: RedisSlotAttempt, remaining: float | None) -> None:
         """Block on ``attempt``'s semaphore's wake list; see :class:`RedisSlotAttempt`."""
@@ -201,7 +177,9 @@ class RedisSemaphores(BaseLockBackend):
         result: list[SlotEntry] = self._single(prefix, read)
         return result
 
-    # --- parked tasks -------------------------------------------------------------------
+
+class RedisParking(RedisSlotKeys, ParkingBackend):
+    """The ``*park*`` primitives of :class:`~.backend.RedisBackend`: its parking part."""
 
     def do_park(self, name: str, key: str, order: int, payload: str) -> None:
         keys = self.slot_keys(name).park
