@@ -20,33 +20,11 @@ Where the values come from depends on the caller, never on the syntax:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import string
-from collections.abc import Iterator, Mapping
-from contextvars import ContextVar
+from collections.abc import Mapping
 from typing import Any, Protocol
-
-#: Marked for removal: the key template reaches the lease as ``acquire(...,
-#: template=)`` (``@lock`` passes it). Read only when no template is passed,
-#: until the task adapters (celery.py, task_framework.py) pass theirs.
-acquiring_template: ContextVar[str | None] = ContextVar("django_dlock_template", default=None)
-
-
-@contextlib.contextmanager
-def templated(template: str) -> Iterator[None]:
-    """Acquisitions in this block name locks made from ``template``: ``acquiring_template``.
-
-    Marked for removal, with ``acquiring_template``: pass ``template=`` to
-    ``acquire()``/``aacquire()``/``adopt()`` instead (``@lock`` and guarded
-    views do; the task adapters still use this).
-    """
-    token = acquiring_template.set(template)
-    try:
-        yield
-    finally:
-        acquiring_template.reset(token)
 
 
 class Values(Protocol):

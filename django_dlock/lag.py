@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ._validation import INTERNAL_PREFIX, holder_metadata, new_owner
 
 if TYPE_CHECKING:
-    from .backends.base import BaseLockBackend
+    from .backends.protocol import LockService as BaseLockBackend
 
 logger = logging.getLogger("django_dlock")
 

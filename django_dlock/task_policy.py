@@ -38,11 +38,11 @@ from django.utils import timezone as dj_timezone
 
 from . import conf
 from ._validation import validate_timeout, validate_ttl
-from .backends.slots import SlotView, validate_limit
+from .backends.limits import validate_limit
 from .exceptions import LockConfigurationError, LockLost, LockTimeout
 from .handle import HeldLock
 from .handler import locks
-from .keys import KeyTemplate, templated
+from .keys import KeyTemplate
 from .signals import task_skipped
 
 SCOPES = ("run", "queue")
@@ -177,13 +177,10 @@ def acquire_lease(
 
     ``template`` is what metrics label the lease by.
     """
-    backend = locks[alias]
-    target: Any = backend if limit is None else SlotView(backend, limit, 1)
-    with templated(template):
-        held: HeldLock = target.acquire(
-            name, ttl=ttl, timeout=timeout, metadata=metadata, renew=renew
-        )
-    return held
+    return locks[alias].acquire(
+        name, ttl=ttl, timeout=timeout, metadata=metadata, renew=renew, limit=limit,
+        template=template,
+    )  # fmt: skip
 
 
 def adopt_lease(
@@ -205,8 +202,7 @@ def adopt_lease(
                 f"the ticket names lock backend {named!r}, not the task's own {alias!r}"
             )
         backend = locks[alias]
-        with templated(template):
-            return backend.adopt(ticket, ttl=ttl or backend.default_ttl)
+        return backend.adopt(ticket, ttl=ttl or backend.default_ttl, template=template)
     except (KeyError, TypeError, ValueError, LockConfigurationError) as e:
         raise MalformedTicket(str(e)) from e
 

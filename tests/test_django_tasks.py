@@ -31,7 +31,7 @@ from django.core import checks
 from django.db import transaction
 from django.test import override_settings
 
-from django_dlock import LockTimeout, keys, lock, locks, semaphore
+from django_dlock import LockTimeout, lock, locks, semaphore
 from django_dlock.signals import lock_acquired, task_skipped
 
 try:
@@ -294,8 +294,8 @@ def test_context_is_not_part_of_the_key_and_gives_the_task_id(key: str, log: str
 def test_acquisitions_carry_their_key_template(key: str, log: str) -> None:
     seen: list[Any] = []
 
-    def receiver(**kwargs: Any) -> None:
-        seen.append(keys.acquiring_template.get())
+    def receiver(held: Any, **kwargs: Any) -> None:
+        seen.append(held.template)
 
     lock_acquired.connect(receiver)
     try:

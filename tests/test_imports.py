@@ -175,31 +175,10 @@ def test_signals_is_a_leaf() -> None:
 #: Lines a module may have (docs/STYLE: modules of at most 600 lines).
 MAX_LINES = 600
 
-#: Modules still over MAX_LINES while other work on issue 30 shrinks them.
-#: Each must stay over it: one brought down fails its test until it is taken
-#: off this list, so the list only shrinks, and it is to be empty.
-OVER_LIMIT_FOR_NOW = {
-    "django_dlock.backends.attempts",
-    "django_dlock.backends.base",
-    "django_dlock.backends.etcd.backend",
-    "django_dlock.handle",
-}
-
-
 @pytest.mark.parametrize("module", sorted(_modules()))
 def test_no_module_is_over_600_lines(module: str) -> None:
     lines = len(_modules()[module].read_text().splitlines())
-    if module in OVER_LIMIT_FOR_NOW:
-        assert lines > MAX_LINES, (
-            f"{module} is down to {lines} lines: take it off OVER_LIMIT_FOR_NOW"
-        )
-    else:
-        assert lines <= MAX_LINES, f"{module} has {lines} lines, over {MAX_LINES}"
-
-
-def test_the_modules_let_over_the_limit_still_exist() -> None:
-    # A module moved or renamed must not stay allowed under its old name.
-    assert not OVER_LIMIT_FOR_NOW - set(_modules()), OVER_LIMIT_FOR_NOW - set(_modules())
+    assert lines <= MAX_LINES, f"{module} has {lines} lines, over {MAX_LINES}"
 
 
 def _private_names_defined(tree: ast.AST) -> set[str]:

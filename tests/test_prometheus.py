@@ -23,7 +23,6 @@ from django.test import Client, override_settings
 from django_dlock import lock, locks, signals
 from django_dlock.celery import HEADER, locked_task
 from django_dlock.exceptions import LockLost, LockTimeout
-from django_dlock.keys import templated
 from django_dlock.lag import LAG_PREFIX
 from django_dlock.watchdog import get_watchdog
 from tests import tasks
@@ -239,8 +238,11 @@ def test_a_queue_lease_adopted_by_its_run_keeps_the_task_pattern(
     """The lease taken at enqueue is detached; the run adopts it: both under the key template."""
     key = uuid.uuid4().hex[:8]
     log = str(tmp_path / "log")
-    with templated("dedup-q:{key}"):
-        ticket = locks["celery"].acquire(f"dedup-q:{key}", ttl=30, renew=False).detach()
+    ticket = (
+        locks["celery"]
+        .acquire(f"dedup-q:{key}", ttl=30, renew=False, template="dedup-q:{key}")
+        .detach()
+    )
     tasks.dedup_queued.apply((key, log), headers={HEADER: ticket})
     labels = {"backend": "celery", "pattern": "dedup-q:{key}"}
     # One lease: one grant and one wait (at enqueue), one hold (ended by the run).

@@ -50,7 +50,6 @@ from ..exceptions import (
     LockNotOwned,
 )
 from ..handle import HeldLock
-from ..keys import acquiring_template
 from ..signals import lock_broken
 from ..tickets import Ticket
 from .attempts import Attempt
@@ -295,30 +294,6 @@ class BaseLockBackend:
         """
         return self.do_release(name, owner)
 
-    # --- parking: a ParkingBackend's part (parking_backend.py) -------------------------
-    # Kept here, as refusals, only while celery.py and parking.py call them on
-    # any backend: remove them once those type their callers against
-    # ParkingBackend (they check ``supports_parking`` first).
-
-    def do_park(self, name: str, key: str, order: int, payload: str) -> None:
-        raise self._no_parking()
-
-    def do_unpark(self, name: str, count: int) -> list[ParkedTask]:
-        raise self._no_parking()
-
-    def do_unpark_key(self, name: str, key: str) -> bool:
-        raise self._no_parking()
-
-    def do_list_parked(self, prefix: str) -> list[ParkedTask]:
-        raise self._no_parking()
-
-    def _no_parking(self) -> LockConfigurationError:
-        return LockConfigurationError(
-            f"Lock backend {self.alias!r} ({self.path}) keeps no parked tasks: "
-            "on_locked='defer' needs a backend that does (supports_parking).",
-            alias=self.alias,
-        )
-
     def check(self) -> list[CheckMessage]:
         """Backend-specific system check messages (static: no network)."""
         return []
@@ -458,9 +433,6 @@ class BaseLockBackend:
         ttl = self.default_ttl if ttl is None else validate_ttl(ttl)
         timeout = validate_timeout(timeout)
         ops = self.ops(limit, weight)
-        if template is None:
-            # Until the task adapters pass template= (keys.templated, marked for removal).
-            template = acquiring_template.get()
         deadline = None if timeout is None else time.monotonic() + timeout
         holder = holder_metadata(ttl, metadata)
         attempt = ops.attempt(name, new_owner(), ttl, holder, renew, template)
@@ -496,7 +468,7 @@ class BaseLockBackend:
         return HeldLock(
             self, MutexOps(self), t.name, adopter, t.token,
             ttl=ttl, expires=sent + ttl, lease=ttl, holder=t.holder, renew=renew, adopted=True,
-            template=acquiring_template.get() if template is None else template,
+            template=template,
         )  # fmt: skip
 
     def release_ticket(self, ticket: Mapping[str, Any]) -> bool:

@@ -24,8 +24,9 @@ from .attempts import Attempt
 from .base import BaseLockBackend
 from .limits import RW_LIMIT, describe_limit, validate_limit
 from .ops import MutexOps, SlotOps
+from .parking_backend import ParkingBackend
 from .slots import list_semaphores
-from .types import Grant, SemaphoreInfo, SlotEntry, extend_each
+from .types import Grant, ParkedTask, SemaphoreInfo, SlotEntry, extend_each
 
 
 class SemaphoreBackend(BaseLockBackend):
@@ -147,12 +148,16 @@ class SemaphoreBackend(BaseLockBackend):
         and how many Celery tasks are parked on it.
         """
         prefix = validate_name(prefix, what="A lock name prefix")
-        return list_semaphores(self.alias, self.do_list_slots(prefix), self.do_list_parked(prefix))
+        return list_semaphores(self.alias, self.do_list_slots(prefix), self._parked_calls(prefix))
+
+    def _parked_calls(self, prefix: str) -> builtins.list[ParkedTask]:
+        # Parked Celery calls, on a backend that also has the parking part.
+        return self.do_list_parked(prefix) if isinstance(self, ParkingBackend) else []
 
     def semaphore(self, name: str) -> SemaphoreInfo | None:
         """The semaphore or read/write lock ``name`` (not one whose name starts so), or None."""
         name = validate_name(name)
-        found = list_semaphores(self.alias, self.do_list_slots(name), self.do_list_parked(name))
+        found = list_semaphores(self.alias, self.do_list_slots(name), self._parked_calls(name))
         return next((info for info in found if info.name == name), None)
 
     def break_slot(self, name: str, token: int | None = None) -> int:

@@ -24,7 +24,7 @@ from .limits import MAX_LIMIT, RW_LIMIT, describe_limit, validate_limit
 from .types import ParkedTask, SemaphoreInfo, SlotEntry
 
 if TYPE_CHECKING:
-    from ..handle import HeldLock
+    pass
 
 
 class SlotAttempt(Attempt):
@@ -55,31 +55,6 @@ class SlotAttempt(Attempt):
 
     def abandon(self) -> None:
         self.ops.leave(self.name, self.owner)
-
-
-class SlotView:
-    """Deprecated: ``locks[alias].acquire(name, limit=limit, weight=weight)`` instead.
-
-    Kept only for ``task_options.lock_target`` until the task adapters call
-    ``acquire(..., limit=...)`` themselves; remove it then. It is no backend:
-    it has ``acquire`` and ``aacquire``, nothing else.
-    """
-
-    def __init__(self, backend: Any, limit: int, weight: int) -> None:
-        self.backend = backend
-        self.limit = limit
-        self.weight = weight
-        backend.ops(limit, weight)  # no semaphores: LockConfigurationError now
-
-    def acquire(self, name: str, **kwargs: Any) -> HeldLock:
-        held: HeldLock = self.backend.acquire(name, limit=self.limit, weight=self.weight, **kwargs)
-        return held
-
-    async def aacquire(self, name: str, **kwargs: Any) -> HeldLock:
-        held: HeldLock = await self.backend.aacquire(
-            name, limit=self.limit, weight=self.weight, **kwargs
-        )
-        return held
 
 
 def list_semaphores(
@@ -127,7 +102,6 @@ __all__ = [
     "MAX_LIMIT",
     "RW_LIMIT",
     "SlotAttempt",
-    "SlotView",
     "describe_limit",
     "list_semaphores",
     "validate_limit",

@@ -37,6 +37,7 @@ from typing import Any
 from kombu.utils import json as kombu_json
 
 from ..backends.base import BaseLockBackend, ParkedTask
+from ..backends.parking_backend import ParkingBackend
 from ..exceptions import LockConfigurationError
 from ..handler import locks
 
@@ -69,20 +70,13 @@ class NoParking(LockConfigurationError):
 
 
 def has_parking(backend: BaseLockBackend) -> bool:
-    """Whether ``backend`` has a parking queue for deferred calls.
-
-    What it declares as ``supports_parking``; a backend that declares
-    nothing has one if it implements ``do_park`` (not the base class's stub).
-    """
-    declared = getattr(type(backend), "supports_parking", None)
-    if isinstance(declared, bool):
-        return declared
-    return type(backend).do_park is not BaseLockBackend.do_park
+    """Whether ``backend`` has a parking queue for deferred calls (a :class:`ParkingBackend`)."""
+    return isinstance(backend, ParkingBackend)
 
 
-def _parking(alias: str) -> BaseLockBackend:
+def _parking(alias: str) -> ParkingBackend:
     backend = locks[alias]
-    if not has_parking(backend):
+    if not isinstance(backend, ParkingBackend):
         raise NoParking(
             f"Lock backend {alias!r} ({backend.path}) has no parking queue: "
             "on_locked='defer' cannot park calls there.",
