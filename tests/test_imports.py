@@ -175,6 +175,7 @@ def test_signals_is_a_leaf() -> None:
 #: Lines a module may have (docs/STYLE: modules of at most 600 lines).
 MAX_LINES = 600
 
+
 @pytest.mark.parametrize("module", sorted(_modules()))
 def test_no_module_is_over_600_lines(module: str) -> None:
     lines = len(_modules()[module].read_text().splitlines())
