@@ -11,7 +11,8 @@ Ids are stable and never reused (docs/checks.md lists them):
 - ``django_dlock.E007``: the database backend is used but ``django_dlock`` is not installed.
 - ``django_dlock.E008``: the database backend's database is missing or unsupported.
 - ``django_dlock.E009``: ``DLOCK_METRICS_TOKEN`` is set but not a non-empty str.
-- ``django_dlock.E010``: a locked task with ``limit`` on a backend without semaphores.
+- ``django_dlock.E010``: a locked task, or a guarded view, with ``limit`` on a
+  backend without semaphores.
 - ``django_dlock.E011``: a locked Celery task with ``on_locked="defer"`` on a
   backend without a parking queue.
 - ``django_dlock.W001``: Redlock over an even number of masters.
@@ -34,6 +35,7 @@ from typing import Any
 from django.apps import AppConfig, apps
 from django.conf import settings
 from django.core import checks
+from django.urls import get_resolver
 
 from . import conf
 from .exceptions import LockConfigurationError
@@ -105,6 +107,36 @@ def check_locked_tasks(
             continue
         for name, options in module.locked_tasks():
             yield from _missing_parts(name, options)
+
+
+@checks.register(checks.Tags.urls)
+def check_guarded_views(
+    app_configs: Iterable[AppConfig] | None = None, **kwargs: Any
+) -> Iterator[checks.CheckMessage]:
+    """django_dlock.E010 for a guarded view: ``limit`` on a backend without semaphores.
+
+    The views are those defined by now; the URLconf is loaded first, as
+    Django's own URL checks do, so that the project's views are.
+    """
+    if getattr(settings, "ROOT_URLCONF", None):
+        with contextlib.suppress(Exception):  # Django's URL checks report a broken URLconf
+            get_resolver().url_patterns  # noqa: B018
+    from .views import views_with_limit
+
+    for view, alias, limit in views_with_limit():
+        try:
+            backend = locks[alias]
+        except Exception:
+            continue  # an unknown or broken alias: check_backends reports DLOCK_BACKENDS
+        if not backend.supports_semaphores:
+            yield checks.Error(
+                f"Guarded view {view!r} has limit={limit}, but lock backend {alias!r} "
+                f"({backend.path}) has no semaphores: every request would fail.",
+                hint="Guard it on a backend with semaphores, or drop limit to serve one "
+                "request at a time.",
+                obj=view,
+                id="django_dlock.E010",
+            )
 
 
 def _missing_parts(task: str, options: Any) -> Iterator[checks.CheckMessage]:

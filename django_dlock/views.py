@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import functools
 import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any, TypeVar, cast
@@ -264,15 +265,41 @@ def lock_view(
             async def async_view(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
                 return await guard.arun(request, kwargs, lambda: view(request, *args, **kwargs))
 
-            return cast(V, async_view)
+            return _limited(cast(V, async_view))
 
         @functools.wraps(view)
         def sync_view(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
             return guard.run(request, kwargs, lambda: view(request, *args, **kwargs))
 
-        return cast(V, sync_view)
+        return _limited(cast(V, sync_view))
+
+    def _limited(guarded: V) -> V:
+        if limit is not None:
+            _with_limit[guarded] = (backend, limit)
+        return guarded
 
     return decorator
+
+
+#: The guarded views with a ``limit``: function views by their wrapper, the
+#: classes by themselves, held weakly. ``manage.py check`` reads them
+#: (``django_dlock.E010``: a limit on a backend without semaphores).
+_with_limit: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
+_limited_classes: weakref.WeakSet[type[LockRequiredMixin]] = weakref.WeakSet()
+
+
+def views_with_limit() -> list[tuple[str, str, int]]:
+    """The guarded views defined so far that have a limit: (view, backend alias, limit)."""
+    found = [
+        (f"{view.__module__}.{view.__qualname__}", backend, limit)
+        for view, (backend, limit) in list(_with_limit.items())
+    ]
+    for cls in list(_limited_classes):
+        if cls.lock_limit is not None:
+            found.append(
+                (f"{cls.__module__}.{cls.__qualname__}", cls.lock_backend, cls.lock_limit)
+            )
+    return sorted(found)
 
 
 class LockRequiredMixin:
@@ -295,6 +322,10 @@ class LockRequiredMixin:
     lock_metadata: Mapping[str, Any] | None = None
     lock_limit: int | None = None
     lock_release_on_commit: bool = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _limited_classes.add(cls)
 
     def get_lock_guard(self) -> _Guard:
         return _Guard(

@@ -187,3 +187,44 @@ def test_a_url_argument_no_lock_service_can_store_is_a_bad_request() -> None:
         with pytest.raises(BadRequest, match="lock name"):
             asyncio.run(anamed(request, slug=bad))
     assert named(request, slug="a\nb").status_code == 200
+
+
+def test_a_limit_on_a_backend_without_semaphores_is_a_check_error_at_startup() -> None:
+    """E010 for guarded views: every request would be a 500 (LockConfigurationError)."""
+    import gc
+
+    from django.core import checks
+    from django.views import View
+
+    from django_dlock.views import LockRequiredMixin, lock_view
+
+    def errors() -> set[object]:
+        return {m.obj for m in checks.run_checks() if m.id == "django_dlock.E010"}
+
+    @lock_view("limited-fn:{id}", backend="redlock", limit=2)
+    def limited_fn(request: Any, id: int) -> HttpResponse:
+        return HttpResponse("ok")
+
+    @lock_view("one-fn:{id}", backend="redlock")
+    def one_fn(request: Any, id: int) -> HttpResponse:
+        return HttpResponse("ok")
+
+    class LimitedView(LockRequiredMixin, View):
+        lock_key = "limited-cbv"
+        lock_backend = "redlock"
+        lock_limit = 3
+
+    class LimitedOnLocMem(LockRequiredMixin, View):
+        lock_key = "limited-cbv"
+        lock_backend = "locmem"
+        lock_limit = 3
+
+    prefix = f"{__name__}.test_a_limit_on_a_backend_without_semaphores_is_a_check_error_at_startup"
+    found = {str(obj) for obj in errors() if str(obj).startswith(prefix)}
+    assert found == {f"{prefix}.<locals>.limited_fn", f"{prefix}.<locals>.LimitedView"}
+    message = next(m for m in checks.run_checks() if str(m.obj).endswith("limited_fn"))
+    assert message.is_serious() and "'redlock'" in message.msg and "limit=2" in message.msg
+    # Gone with the views (held weakly): a test's views do not haunt later checks.
+    del limited_fn, one_fn, LimitedView, LimitedOnLocMem, message
+    gc.collect()
+    assert not {str(obj) for obj in errors() if str(obj).startswith(prefix)}
