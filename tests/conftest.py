@@ -149,6 +149,16 @@ def _long_lived(thread: threading.Thread) -> bool:
 
 
 @pytest.fixture(scope="session")
+def django_db_modify_db_settings_xdist_suffix() -> None:
+    """No "_gw0" suffix: each xdist worker's test databases have names of their own already.
+
+    settings.py names the server databases after the worker's process and puts
+    the SQLite file in the worker's temp dir, where the processes a test starts
+    with these settings (db_worker) find it under the same name.
+    """
+
+
+@pytest.fixture(scope="session")
 def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
     """Let Django drop the PostgreSQL test database.
 
