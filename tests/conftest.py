@@ -55,6 +55,45 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         )
 
 
+#: Test modules whose tests share a costly module-scoped fixture (a Celery
+#: worker, a browser, a load run): under pytest-xdist (`make test`: --dist
+#: loadgroup) each module's tests run on one worker, which sets it up once.
+#: Every other test runs on whichever worker is free.
+#: test_multiprocess.py's tests run 8 processes each, busy on 2 cores: one at
+#: a time, as without xdist, they leave the other workers' timings alone.
+XDIST_GROUPS = {
+    "test_admin_browser.py": "admin-browser",
+    "test_celery_worker.py": "celery-worker",
+    "test_multiprocess.py": "eight-processes",
+    "test_realproject.py": "realproject",
+}
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    group = XDIST_GROUPS.get(item.path.name)
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-django's own order
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest work first, so that no worker starts it when the others are done.
+
+    A group runs as one unit, and tests that start processes (marked
+    ``multiprocess``) take seconds each. Only those that use no test database:
+    the others keep pytest-django's order (transactional tests last).
+    """
+
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("django_db") is not None:
+            return 2
+        if item.get_closest_marker("xdist_group") is not None:
+            return 0
+        return 1 if item.get_closest_marker("multiprocess") is not None else 2
+
+    items.sort(key=rank)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "backends(*aliases): run a backend_alias test on these backends only"
@@ -63,6 +102,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "with_default_db: a backend_alias test that also uses the default database",
     )
+    # pytest-xdist's own, declared here too for a run without it (pytest -p no:xdist).
+    config.addinivalue_line("markers", "xdist_group(name): run these tests on one xdist worker")
 
 
 @pytest.fixture(scope="session")

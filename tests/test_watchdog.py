@@ -54,7 +54,9 @@ def test_the_watchdog_keeps_every_kind_of_lease_past_several_ttls(
     try:
         with lock(f"{name}:with", backend=backend_alias, ttl=ttl) as held:
             assert len(watchdog_threads()) == 1
-            assert get_watchdog().pending() >= len(others) + 1
+            # Scheduled, or with the renewer (a renewal in flight) on a slow machine.
+            scheduled = get_watchdog().scheduled(backend_alias)
+            assert all(any(s is h for s in scheduled) for h in [held, *others])
             time.sleep(past_expiry * 2)
             assert len(watchdog_threads()) == 1
             for each in [held, *others]:
