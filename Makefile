@@ -53,7 +53,7 @@ system-deps:
 # them one after the other in this process.
 PYTEST_WORKERS ?= 6
 test: system-deps $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS)
 
 # The realistic project (tests/realproject/): its own `manage.py test` on
 # PostgreSQL, then concurrent increments down every guarded path under uvicorn

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import uuid
 import zlib
@@ -57,9 +58,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 #: Test modules whose tests share a costly module-scoped fixture (a Celery
-#: worker, a browser, a load run): under pytest-xdist (`make test`: --dist
-#: loadgroup) each module's tests run on one worker, which sets it up once.
-#: Every other test runs on whichever worker is free.
+#: worker, a browser, a load run): under pytest-xdist (`make test`) each
+#: module's tests run on one worker, which sets it up once. Every other test
+#: runs on whichever worker is free.
 #: test_multiprocess.py's tests run 8 processes each, busy on 2 cores: one at
 #: a time, as without xdist, they leave the other workers' timings alone.
 XDIST_GROUPS = {
@@ -69,29 +70,42 @@ XDIST_GROUPS = {
     "test_realproject.py": "realproject",
 }
 
-
 #: The tests on the session's etcd members run in this many groups: each
 #: worker that starts them keeps a 3-member cluster with 10 ms heartbeats
 #: busy (about 15% of a core), so two workers do, not all of them.
 ETCD_GROUPS = 2
 
+_ETCD_PARAM = re.compile(r"\[etcd[-\]]")
 
-def _xdist_group(item: pytest.Item) -> str | None:
-    group = XDIST_GROUPS.get(item.path.name)
+
+def xdist_group(nodeid: str) -> str | None:
+    """The group of the test ``nodeid`` runs in, or None: on any worker."""
+    path, _, rest = nodeid.partition("::")
+    group = XDIST_GROUPS.get(path.rsplit("/", 1)[-1])
     if group is not None:
         return group
-    callspec = getattr(item, "callspec", None)
-    alias = callspec.params.get("backend_alias", "") if callspec is not None else ""
-    if "etcd_servers" in getattr(item, "fixturenames", ()) or str(alias).startswith("etcd"):
-        # crc32, not hash(): every worker must put a test in the same group.
-        return f"etcd-{zlib.crc32(item.nodeid.encode()) % ETCD_GROUPS}"
+    if path.endswith("/test_etcd.py") or _ETCD_PARAM.search(rest):
+        # crc32, not hash(): the same group in every process.
+        return f"etcd-{zlib.crc32(nodeid.encode()) % ETCD_GROUPS}"
     return None
 
 
-def pytest_itemcollected(item: pytest.Item) -> None:
-    group = _xdist_group(item)
-    if group is not None:
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist load``, but the tests of a group go to one worker, as one unit of work.
+
+    Not pytest-xdist's own ``--dist loadgroup``: it marks groups by changing
+    each test's node id, which pytest 9 ignores (it then groups nothing).
+    """
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid) or nodeid
+
+    return GroupScheduling(config, log)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-django's own order
@@ -106,7 +120,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         if item.get_closest_marker("django_db") is not None:
             return 2
-        if item.get_closest_marker("xdist_group") is not None:
+        if xdist_group(item.nodeid) is not None:
             return 0
         return 1 if item.get_closest_marker("multiprocess") is not None else 2
 
@@ -121,8 +135,6 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "with_default_db: a backend_alias test that also uses the default database",
     )
-    # pytest-xdist's own, declared here too for a run without it (pytest -p no:xdist).
-    config.addinivalue_line("markers", "xdist_group(name): run these tests on one xdist worker")
 
 
 @pytest.fixture(scope="session")
@@ -165,6 +177,10 @@ def _servers_for_backend(request: pytest.FixtureRequest) -> None:
             request.getfixturevalue("redis_servers")
         elif alias.startswith("etcd"):
             request.getfixturevalue("etcd_servers")
+    elif request.node.path.name == "test_etcd.py":
+        # Some of its tests use the "etcd" alias without asking for the servers:
+        # under xdist no earlier test of the same process need have started them.
+        request.getfixturevalue("etcd_servers")
 
 
 @pytest.fixture
