@@ -46,8 +46,14 @@ fresh-check:
 system-deps:
 	scripts/system-deps.sh
 
+# The suite on PYTEST_WORKERS processes (pytest-xdist): most tests sleep while
+# leases run out, so they overlap well even on 2 cores. Each worker starts its
+# own servers (tests/settings.py); tests that share a costly module fixture
+# stay on one worker (xdist groups, tests/conftest.py). PYTEST_WORKERS=0 runs
+# them one after the other in this process.
+PYTEST_WORKERS ?= 6
 test: system-deps $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS)
 
 # The realistic project (tests/realproject/): its own `manage.py test` on
 # PostgreSQL, then concurrent increments down every guarded path under uvicorn

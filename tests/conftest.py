@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import uuid
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,76 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         )
 
 
+#: Test modules whose tests share a costly module-scoped fixture (a Celery
+#: worker, a browser, a load run): under pytest-xdist (`make test`) each
+#: module's tests run on one worker, which sets it up once. Every other test
+#: runs on whichever worker is free.
+#: test_multiprocess.py's tests run 8 processes each, busy on 2 cores: one at
+#: a time, as without xdist, they leave the other workers' timings alone.
+XDIST_GROUPS = {
+    "test_admin_browser.py": "admin-browser",
+    "test_celery_worker.py": "celery-worker",
+    "test_multiprocess.py": "eight-processes",
+    "test_realproject.py": "realproject",
+}
+
+#: The tests on the session's etcd members run in this many groups: each
+#: worker that starts them keeps a 3-member cluster with 10 ms heartbeats
+#: busy (about 15% of a core), so two workers do, not all of them.
+ETCD_GROUPS = 2
+
+_ETCD_PARAM = re.compile(r"\[etcd[-\]]")
+
+
+def xdist_group(nodeid: str) -> str | None:
+    """The group of the test ``nodeid`` runs in, or None: on any worker."""
+    path, _, rest = nodeid.partition("::")
+    group = XDIST_GROUPS.get(path.rsplit("/", 1)[-1])
+    if group is not None:
+        return group
+    if path.endswith("/test_etcd.py") or _ETCD_PARAM.search(rest):
+        # crc32, not hash(): the same group in every process.
+        return f"etcd-{zlib.crc32(nodeid.encode()) % ETCD_GROUPS}"
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist load``, but the tests of a group go to one worker, as one unit of work.
+
+    Not pytest-xdist's own ``--dist loadgroup``: it marks groups by changing
+    each test's node id, which pytest 9 ignores (it then groups nothing).
+    """
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid) or nodeid
+
+    return GroupScheduling(config, log)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-django's own order
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest work first, so that no worker starts it when the others are done.
+
+    A group runs as one unit, and tests that start processes (marked
+    ``multiprocess``) take seconds each. Only those that use no test database:
+    the others keep pytest-django's order (transactional tests last).
+    """
+
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("django_db") is not None:
+            return 2
+        if xdist_group(item.nodeid) is not None:
+            return 0
+        return 1 if item.get_closest_marker("multiprocess") is not None else 2
+
+    items.sort(key=rank)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "backends(*aliases): run a backend_alias test on these backends only"
@@ -105,6 +177,10 @@ def _servers_for_backend(request: pytest.FixtureRequest) -> None:
             request.getfixturevalue("redis_servers")
         elif alias.startswith("etcd"):
             request.getfixturevalue("etcd_servers")
+    elif request.node.path.name == "test_etcd.py":
+        # Some of its tests use the "etcd" alias without asking for the servers:
+        # under xdist no earlier test of the same process need have started them.
+        request.getfixturevalue("etcd_servers")
 
 
 @pytest.fixture
@@ -146,6 +222,16 @@ def _long_lived(thread: threading.Thread) -> bool:
     return thread.name.startswith("django-dlock-") or (
         getattr(target, "__module__", "") or ""
     ).startswith("grpc.")
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings_xdist_suffix() -> None:
+    """No "_gw0" suffix: each xdist worker's test databases have names of their own already.
+
+    settings.py names the server databases after the worker's process and puts
+    the SQLite file in the worker's temp dir, where the processes a test starts
+    with these settings (db_worker) find it under the same name.
+    """
 
 
 @pytest.fixture(scope="session")

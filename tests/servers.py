@@ -37,6 +37,30 @@ def _ephemeral_start() -> int:
         return 32768
 
 
+#: Ports this process has handed out: a port is not bound until its server
+#: starts, so a second pick must not take it meanwhile.
+_handed_out: set[int] = set()
+
+
+def _port_range() -> range:
+    """Where this process picks its ports: under pytest-xdist, a slice of its own.
+
+    Servers listen on ports from 10000 up to 10000 below the kernel's ephemeral
+    range, and a Redis cluster node's bus port (port + 10000) lies above those:
+    so no worker's bus port is another worker's server port either.
+    """
+    low = 10000
+    high = min(_ephemeral_start(), 55536)
+    span = min(high - low, 10000)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return range(low, low + span)
+    index = int(worker[2:])
+    width = span // count
+    return range(low + index * width, low + (index + 1) * width)
+
+
 def free_port() -> int:
     """A free port whose cluster bus port (port + 10000) is free too.
 
@@ -46,10 +70,11 @@ def free_port() -> int:
     back its own command as the reply.
     """
     rng = random.Random()
-    high = min(_ephemeral_start(), 55536)
+    ports = _port_range()
     for _ in range(1000):
-        port = rng.randrange(10000, high)
-        if _bindable(port) and _bindable(port + 10000):
+        port = rng.choice(ports)
+        if port not in _handed_out and _bindable(port) and _bindable(port + 10000):
+            _handed_out.add(port)
             return port
     raise RuntimeError("no free port pair for redis-server")
 
@@ -366,7 +391,8 @@ class CeleryWorker(_ServerProcess):
     ) -> None:
         root = Path(__file__).resolve().parent.parent
         self.name = name
-        self.nodename = f"{name}@{socket.gethostname()}"
+        # Unique on a broker that other test sessions (xdist workers) share.
+        self.nodename = f"{name}-{os.getpid()}@{socket.gethostname()}"
         self.queue = queue
         self.concurrency = concurrency
         self.app = app

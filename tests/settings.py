@@ -22,6 +22,18 @@ from tests.servers import free_port, port_open
 INSTALLED_APPS = [*INSTALLED_APPS, "tests"]
 
 REQUIRE_ALL = os.environ.get("DLOCK_REQUIRE_ALL_BACKENDS") == "1"
+
+# Under pytest-xdist (`make test`), each worker is a test session of its own:
+# its own temp dir, redis-server and etcd processes on its own ports, test
+# databases (pytest-django adds the worker's id to their names) and Celery
+# queues. The controller process imported these settings first, and the
+# workers inherit its environment: a worker forgets the controller's choices
+# once, and the processes it starts (Celery workers, db_worker) inherit its own.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _XDIST_WORKER and os.environ.get("DLOCK_TEST_SESSION") != _XDIST_WORKER:
+    for _variable in ("DLOCK_TEST_TMP", "DLOCK_TEST_REDIS_PORTS", "DLOCK_TEST_ETCD_PORTS"):
+        os.environ.pop(_variable, None)
+    os.environ["DLOCK_TEST_SESSION"] = _XDIST_WORKER
 _TMP = os.environ.setdefault(
     "DLOCK_TEST_TMP", tempfile.mkdtemp(prefix=f"dlock-tests-{os.getpid()}-")
 )
@@ -209,7 +221,9 @@ DLOCK_BACKENDS["celery"] = dict(DLOCK_BACKENDS[os.environ.get("DLOCK_TEST_CELERY
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "memory://")
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, Any] = {}
 CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", "cache+memory://")
-CELERY_TASK_DEFAULT_QUEUE = os.environ.get("DLOCK_TEST_CELERY_QUEUE", "dlock-tests")
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get(
+    "DLOCK_TEST_CELERY_QUEUE", f"dlock-tests-{_XDIST_WORKER}" if _XDIST_WORKER else "dlock-tests"
+)
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 # Django's task framework (django_dlock.task_framework): Django 6's django.tasks, or the

@@ -130,18 +130,6 @@ def test_a_slot_expires_with_its_lease(
         held.ensure()
 
 
-def test_the_watchdog_renews_a_slot(
-    backend_alias: str, name: str, short_ttl: float, past_expiry: float
-) -> None:
-    with semaphore(name, limit=1, backend=backend_alias, ttl=max(1.0, short_ttl)) as held:
-        time.sleep(max(1.0, short_ttl) * 2)
-        held.ensure()
-        with pytest.raises(LockTimeout):
-            semaphore(name, limit=1, backend=backend_alias, timeout=0).acquire()
-        held.extend(5)
-        held.ensure()
-
-
 def test_release_is_owner_checked(backend_alias: str, name: str) -> None:
     held = semaphore(name, limit=2, backend=backend_alias).acquire()
     held.release()
