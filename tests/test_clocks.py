@@ -44,9 +44,20 @@ class ScriptedServer:
         return self.ends.get(owner, 0.0) > self.wall
 
 
+class ScriptedOps:
+    """The lease kind (a mutex) on the scripted server: what the probe checks through."""
+
+    def __init__(self, server: ScriptedServer) -> None:
+        self.server = server
+
+    def check(self, name: str, owner: str) -> bool:
+        return self.server.do_check(name, owner)
+
+
 class Handle:
     def __init__(self, server: ScriptedServer, owner: str, ttl: float) -> None:
         self.backend, self.name, self.owner = server, f"lock-{owner}", owner
+        self.ops = ScriptedOps(server)
         server.ends[owner] = server.wall + ttl
         self.lost: str | None = None
         self.lost_at = 0.0
