@@ -3,7 +3,7 @@
 The base class owns everything that must behave the same on every backend:
 validating settings, owner tokens, deadlines on ``time.monotonic()``, the
 blocking loop (:class:`~.attempts.Attempt`), holder metadata, signals and the
-watchdog (through :class:`~django_dlock.handle.HeldLock`). A backend implements
+watchdog (through :class:`~django_dlock.held.HeldLock`). A backend implements
 only atomic, single-step primitives, as redis-py's ``Lock.acquire`` delegates
 to ``do_acquire``: each is documented, with its rule, at its stub below;
 ``docs/development.md`` walks through writing one.
@@ -49,7 +49,7 @@ from ..exceptions import (
     LockConfigurationError,
     LockNotOwned,
 )
-from ..handle import HeldLock
+from ..held import HeldLock
 from ..signals import lock_broken
 from ..tickets import Ticket
 from .attempts import Attempt

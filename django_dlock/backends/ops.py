@@ -3,7 +3,7 @@
 Every acquisition names its kind: ``BaseLockBackend.acquire(name)`` a mutex,
 ``acquire(name, limit=N, weight=W)`` a slot of weight W in the semaphore of
 limit N (a read/write lock is the semaphore of ``slots.RW_LIMIT``). The
-:class:`~.attempts.Attempt`, the :class:`~django_dlock.handle.HeldLock` and
+:class:`~.attempts.Attempt`, the :class:`~django_dlock.held.HeldLock` and
 the watchdog keep the real backend (``held.backend``) and the kind (``held.ops``)
 apart, and make every call to the lease through the kind: try, leave the
 queue, release, extend, check, extend many, detach, and the awaitable release,
