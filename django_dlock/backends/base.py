@@ -341,7 +341,7 @@ class BaseLockBackend:
         Every lease enters here. ``limit=None`` is a mutex; otherwise a slot
         of ``weight`` in the semaphore of ``limit`` (``Semaphore`` and
         ``RWLock`` call this; a read/write lock is the semaphore of
-        ``slots.RW_LIMIT``, a writer weighing all of it). ``limit`` on a
+        ``limits.RW_LIMIT``, a writer weighing all of it). ``limit`` on a
         backend without semaphores raises ``LockConfigurationError`` before
         any I/O. ``template`` is the key template ``name`` was made from, if
         any: what metrics and traces label the lease by (``HeldLock.template``).

@@ -130,7 +130,7 @@ class LeaseOps(Protocol):
     @property
     def backend(self) -> LockService: ...
 
-    #: None for a mutex; else the semaphore's limit (``slots.RW_LIMIT``: a read/write lock).
+    #: None for a mutex; else the semaphore's limit (``limits.RW_LIMIT``: a read/write lock).
     @property
     def limit(self) -> int | None: ...
 
