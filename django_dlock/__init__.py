@@ -22,8 +22,8 @@ from .exceptions import (
     LockTimeout,
     StaleWrite,
 )
-from .handle import HeldLock
 from .handler import locks
+from .held import HeldLock
 from .lock import Lock, lock
 from .semaphores import RWLock, Semaphore, rwlock, semaphore
 

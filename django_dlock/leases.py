@@ -1,6 +1,6 @@
 """The lease accounting of a held handle, the watchdog's side of it, and its end.
 
-:class:`LeaseAccounting` is the part of :class:`~django_dlock.handle.HeldLock`
+:class:`LeaseAccounting` is the part of :class:`~django_dlock.held.HeldLock`
 that keeps the estimate of when its lease ends, and its renewals, and marks
 it lost and sends ``lock_lost``, ``lock_released`` and ``lock_detached``
 (always with ``sender=`` the backend's class) when it ends. The
@@ -47,7 +47,7 @@ RETRY_FRACTION = 0.1
 
 
 class LeaseAccounting:
-    """The renewals and the lease accounting of :class:`~django_dlock.handle.HeldLock`.
+    """The renewals and the lease accounting of :class:`~django_dlock.held.HeldLock`.
 
     Its only subclass is ``HeldLock``: ``cast("Renewable", self)`` tells the
     type checker so where the watchdog is handed the handle.

@@ -1,8 +1,8 @@
 """``lock(...)``: what to acquire, as a context manager, a decorator, or by hand.
 
 ``lock(name, ...)`` returns a :class:`Lock`, a reusable description of what to
-acquire. Each acquisition yields a :class:`~django_dlock.handle.HeldLock`, the
-lease actually granted, with its fencing token (see :mod:`django_dlock.handle`
+acquire. Each acquisition yields a :class:`~django_dlock.held.HeldLock`, the
+lease actually granted, with its fencing token (see :mod:`django_dlock.held`
 for how a lease can be lost while held). ``with lock("x") as held`` keeps the
 handle for the block; the decorator acquires per call, so one decorated
 function is safe to call from many threads at once.
@@ -20,8 +20,8 @@ from typing import Any, TypeVar, cast
 
 from . import conf
 from ._validation import dump_holder, validate_name, validate_timeout, validate_ttl
-from .handle import HeldLock, arelease_on_exit, release_on_exit
 from .handler import locks
+from .held import HeldLock, arelease_on_exit, release_on_exit
 from .keys import KeyTemplate
 from .transactions import release_at_transaction_end
 

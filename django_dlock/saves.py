@@ -40,7 +40,7 @@ from django.db import models, router, transaction
 
 from . import conf, keys
 from .fencing import FencedModel
-from .handle import HeldLock
+from .held import HeldLock
 from .lock import leases_here, lock
 from .transactions import release_at_transaction_end
 

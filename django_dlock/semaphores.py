@@ -27,8 +27,8 @@ from typing import Any
 
 from . import conf
 from .backends.limits import RW_LIMIT, validate_limit
-from .handle import HeldLock
 from .handler import locks
+from .held import HeldLock
 from .lock import Lock
 
 __all__ = ["RWLock", "Semaphore", "rwlock", "semaphore"]

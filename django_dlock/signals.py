@@ -2,7 +2,7 @@
 
 Every signal is sent with ``sender`` = the backend class and these keyword
 arguments: ``backend`` (alias), ``name`` and ``token``; the handle-based ones
-also pass ``held`` (the :class:`~django_dlock.handle.HeldLock`).
+also pass ``held`` (the :class:`~django_dlock.held.HeldLock`).
 
 - ``lock_acquired``: a lease was granted, or adopted (``adopt()`` of a
   ticket). Also ``waited`` (seconds from the start of the acquisition to the

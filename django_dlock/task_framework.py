@@ -68,8 +68,8 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 from django.utils import timezone as dj_timezone
 
-from .handle import HeldLock
 from .handler import locks
+from .held import HeldLock
 from .keys import KeyTemplate
 from .task_policy import (
     PolicyMixin,

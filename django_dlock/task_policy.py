@@ -40,8 +40,8 @@ from . import conf
 from ._validation import validate_timeout, validate_ttl
 from .backends.limits import validate_limit
 from .exceptions import LockConfigurationError, LockLost, LockTimeout
-from .handle import HeldLock
 from .handler import locks
+from .held import HeldLock
 from .keys import KeyTemplate
 from .signals import task_skipped
 

@@ -19,7 +19,7 @@ from django.db.transaction import TransactionManagementError
 
 from .commit_hooks import on_commit_first
 from .exceptions import LockLost
-from .handle import HeldLock
+from .held import HeldLock
 from .watchdog import get_watchdog
 
 if TYPE_CHECKING:

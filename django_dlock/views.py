@@ -37,8 +37,8 @@ from django.http import HttpRequest, HttpResponse
 from . import conf, holders, keys
 from ._validation import validate_name
 from .exceptions import LockTimeout
-from .handle import HeldLock
 from .handler import locks
+from .held import HeldLock
 from .keys import KeyTemplate
 from .lock import Lock
 from .semaphores import Semaphore

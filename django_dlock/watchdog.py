@@ -67,7 +67,7 @@ class Watchdog:
     It schedules any object with an int attribute ``watchdog_generation``
     (which it owns: bumping it makes earlier entries stale) and an
     ``on_watchdog()`` method, which it calls on its thread when the entry is
-    due: :class:`~django_dlock.handle.HeldLock` and one-off timers.
+    due: :class:`~django_dlock.held.HeldLock` and one-off timers.
     """
 
     def __init__(self) -> None:

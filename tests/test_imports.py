@@ -136,7 +136,7 @@ def test_the_checker_finds_a_circle() -> None:
 def test_the_graph_is_read() -> None:
     graph = _graph()
     assert "django_dlock.handler" in graph["django_dlock.lock"]
-    assert "django_dlock.handle" in graph["django_dlock.backends.base"]
+    assert "django_dlock.held" in graph["django_dlock.backends.base"]
 
 
 def test_no_import_circle_among_the_package_modules() -> None:
@@ -154,9 +154,9 @@ def test_no_import_circle_counting_the_type_checking_imports() -> None:
 
 def test_the_type_checking_imports_are_read() -> None:
     graph = _graph(type_checking=True)
-    # handle.py imports the protocols only for its annotations.
-    assert "django_dlock.backends.protocol" in graph["django_dlock.handle"]
-    assert "django_dlock.backends.protocol" not in _graph()["django_dlock.handle"]
+    # held.py imports the protocols only for its annotations.
+    assert "django_dlock.backends.protocol" in graph["django_dlock.held"]
+    assert "django_dlock.backends.protocol" not in _graph()["django_dlock.held"]
 
 
 def test_the_protocols_are_a_leaf() -> None:

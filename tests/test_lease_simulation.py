@@ -3,7 +3,7 @@
 The real ``HeldLock``, ``Watchdog`` (its heap, its timers, the renewal
 thread's judge) and ``Renewer`` (``_take``/``_send``, the renewal thread's
 round) run against a scripted lock server. Time is virtual: ``time`` in
-``django_dlock.handle``, ``.leases``, ``.watchdog`` and ``.renewer`` is
+``django_dlock.held``, ``.leases``, ``.watchdog`` and ``.renewer`` is
 replaced by a clock the test advances in ticks. Calls that wait on the server (the renewal
 thread's batch, a hand ``extend()``, ``release()``, ``ensure()``) run in
 threads that block until the simulation delivers their request and reply;
@@ -56,7 +56,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from django_dlock import handle as handle_mod
+from django_dlock import held as held_mod
 from django_dlock import watchdog as watchdog_mod
 
 try:
@@ -67,7 +67,7 @@ except ImportError:  # a893e4f, before they were split out of handle.py and watc
 from django_dlock.backends.attempts import Attempt
 from django_dlock.backends.ops import MutexOps
 from django_dlock.exceptions import BackendUnavailable, LockLost
-from django_dlock.handle import HeldLock
+from django_dlock.held import HeldLock
 from django_dlock.signals import lock_lost
 
 #: Virtual seconds a tick lasts: lock_lost may come this late after the server's end.
@@ -182,10 +182,10 @@ class Simulation:
 
         fake_time = types.SimpleNamespace(monotonic=monotonic)
         # Every module of the lease machinery that reads the clock or the watchdog.
-        for module in (handle_mod, leases_mod, watchdog_mod, renewer_mod):
+        for module in (held_mod, leases_mod, watchdog_mod, renewer_mod):
             if module is not None:
                 monkeypatch.setattr(module, "time", fake_time)
-        for module in (handle_mod, leases_mod):
+        for module in (held_mod, leases_mod):
             if module is not None:
                 monkeypatch.setattr(module, "get_watchdog", get_watchdog)
         self.watchdog = watchdog_mod.Watchdog()

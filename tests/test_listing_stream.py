@@ -19,7 +19,7 @@ from django.test import override_settings
 
 from django_dlock import LockLost, lock, locks
 from django_dlock.backends.redis import listing
-from django_dlock.handle import HeldLock
+from django_dlock.held import HeldLock
 from django_dlock.management import formatting
 
 

@@ -22,7 +22,7 @@ from django_dlock import (
     semaphore,
 )
 from django_dlock.backends.base import BaseLockBackend
-from django_dlock.backends.slots import RW_LIMIT
+from django_dlock.backends.limits import RW_LIMIT
 
 SHORT_TTL = 0.4
 

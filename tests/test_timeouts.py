@@ -363,7 +363,7 @@ def test_etcd_timeout_is_honoured_with_a_black_holed_endpoint(name: str, first: 
 # --- the database backend: a transaction that holds a row lock and never ends --------
 
 ROOT = Path(__file__).resolve().parent.parent
-#: django_dlock.backends.sql.IDLE_IN_TRANSACTION (not imported: this file also
+#: django_dlock.backends.database.sql.IDLE_IN_TRANSACTION (not imported: this file also
 #: runs against the code before it existed, to see its tests fail there).
 IDLE_IN_TRANSACTION = 2.0
 

@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable, Generator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..exceptions import BackendUnavailable, LockNotOwned, LockTimeout
-from ..handle import HeldLock
+from ..held import HeldLock
 from ..signals import lock_timeout
 from .backoff import backoff, outage_backoff
 from .offload import LONG_WAIT, finish

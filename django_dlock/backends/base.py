@@ -3,7 +3,7 @@
 The base class owns everything that must behave the same on every backend:
 validating settings, owner tokens, deadlines on ``time.monotonic()``, the
 blocking loop (:class:`~.attempts.Attempt`), holder metadata, signals and the
-watchdog (through :class:`~django_dlock.handle.HeldLock`). A backend implements
+watchdog (through :class:`~django_dlock.held.HeldLock`). A backend implements
 only atomic, single-step primitives, as redis-py's ``Lock.acquire`` delegates
 to ``do_acquire``: each is documented, with its rule, at its stub below;
 ``docs/development.md`` walks through writing one.
@@ -49,7 +49,7 @@ from ..exceptions import (
     LockConfigurationError,
     LockNotOwned,
 )
-from ..handle import HeldLock
+from ..held import HeldLock
 from ..signals import lock_broken
 from ..tickets import Ticket
 from .attempts import Attempt
@@ -341,7 +341,7 @@ class BaseLockBackend:
         Every lease enters here. ``limit=None`` is a mutex; otherwise a slot
         of ``weight`` in the semaphore of ``limit`` (``Semaphore`` and
         ``RWLock`` call this; a read/write lock is the semaphore of
-        ``slots.RW_LIMIT``, a writer weighing all of it). ``limit`` on a
+        ``limits.RW_LIMIT``, a writer weighing all of it). ``limit`` on a
         backend without semaphores raises ``LockConfigurationError`` before
         any I/O. ``template`` is the key template ``name`` was made from, if
         any: what metrics and traces label the lease by (``HeldLock.template``).

@@ -20,9 +20,9 @@ from typing import Any
 from .._validation import load_holder, micros_to_datetime
 from ..clocks import wall_micros
 from .base import Attempt, LockInfo, ParkedTask, SlotEntry
+from .ops import SlotAttempt
 from .parking_backend import ParkingBackend
 from .semaphore_backend import SemaphoreBackend
-from .slots import SlotAttempt
 
 
 @dataclass

@@ -2,12 +2,13 @@
 
 Every acquisition names its kind: ``BaseLockBackend.acquire(name)`` a mutex,
 ``acquire(name, limit=N, weight=W)`` a slot of weight W in the semaphore of
-limit N (a read/write lock is the semaphore of ``slots.RW_LIMIT``). The
-:class:`~.attempts.Attempt`, the :class:`~django_dlock.handle.HeldLock` and
+limit N (a read/write lock is the semaphore of ``limits.RW_LIMIT``). The
+:class:`~.attempts.Attempt`, the :class:`~django_dlock.held.HeldLock` and
 the watchdog keep the real backend (``held.backend``) and the kind (``held.ops``)
 apart, and make every call to the lease through the kind: try, leave the
 queue, release, extend, check, extend many, detach, and the awaitable release,
-extend and check. Neither pretends to be a backend.
+extend and check. Neither pretends to be a backend. A slot's acquisition is
+a :class:`SlotAttempt` (or the backend's subclass of it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .attempts import Attempt
-from .slots import SlotAttempt
 from .types import Grant, LockInfo
 
 if TYPE_CHECKING:
@@ -93,6 +93,36 @@ class MutexOps:
 
     async def acheck(self, name: str, owner: str) -> bool:
         return await self.backend.ado_check(name, owner)
+
+
+class SlotAttempt(Attempt):
+    """One acquisition of a slot: giving up withdraws its waiter record.
+
+    Its waits are at most a third of its TTL apart, so that the waiter record
+    (which ends a TTL after the last try) is refreshed before it runs out.
+    """
+
+    @property
+    def limit(self) -> int:
+        limit = self.ops.limit
+        if limit is None:  # a slot attempt is made by SlotOps, which has one
+            raise TypeError(f"{self!r} is not an attempt at a semaphore's slot.")
+        return limit
+
+    @property
+    def weight(self) -> int:
+        return self.ops.weight
+
+    def wait(self, remaining: float | None) -> None:
+        bound = self.ttl / 3
+        super().wait(bound if remaining is None else min(remaining, bound))
+
+    async def await_free(self, remaining: float | None) -> None:
+        bound = self.ttl / 3
+        await super().await_free(bound if remaining is None else min(remaining, bound))
+
+    def abandon(self) -> None:
+        self.ops.leave(self.name, self.owner)
 
 
 class SlotOps:

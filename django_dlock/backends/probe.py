@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from .._validation import INTERNAL_PREFIX, holder_metadata, new_owner
 from ..exceptions import BackendUnavailable, LockInTransaction
-from .sql import Busy
+from .types import Busy
 
 if TYPE_CHECKING:
     from .protocol import LockService as BaseLockBackend

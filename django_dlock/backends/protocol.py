@@ -1,7 +1,7 @@
 """What the handle, the acquire loop and the watchdog need of a backend and of a lease.
 
 A leaf module: it imports nothing from the package but value types
-(``types.py``, ``offload.py``), so that ``handle.py``, ``attempts.py``,
+(``types.py``, ``offload.py``), so that ``held.py``, ``attempts.py``,
 ``leases.py``, ``renewer.py``, ``watchdog.py`` and ``transactions.py`` can
 be typed against these protocols without importing ``base.py`` (which
 imports them): the import graph has no circle, even counting the imports
@@ -11,7 +11,7 @@ under ``if TYPE_CHECKING:`` (``tests/test_imports.py``).
 :class:`~django_dlock.backends.base.BaseLockBackend` those modules use;
 :class:`LeaseOps` is one kind of lease on it (``ops.py``: a mutex or a
 semaphore's slot); :class:`Renewable` is the part of
-:class:`~django_dlock.handle.HeldLock` the watchdog uses.
+:class:`~django_dlock.held.HeldLock` the watchdog uses.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class LeaseOps(Protocol):
     @property
     def backend(self) -> LockService: ...
 
-    #: None for a mutex; else the semaphore's limit (``slots.RW_LIMIT``: a read/write lock).
+    #: None for a mutex; else the semaphore's limit (``limits.RW_LIMIT``: a read/write lock).
     @property
     def limit(self) -> int | None: ...
 

@@ -8,14 +8,23 @@ of their own, apart from the mutexes: ``get``/``list``/``break_lock`` are the
 mutexes', ``semaphore``/``semaphores``/``break_slot`` the semaphores'. A
 semaphore's slot is acquired through the one public call,
 ``acquire(name, limit=N, weight=W)`` (``ops.SlotOps``).
+
+A semaphore of limit N lets N holders in at once; each has a lease of its
+own (a "slot") with a fencing token from the name's counter. A read/write
+lock is the same thing with a weight per holder: its limit is
+``limits.RW_LIMIT``, a reader weighs 1 and a writer weighs the whole
+limit, so a writer enters alone and readers enter together. A writer that
+waits is recorded on the service, and readers do not enter past it (no
+starvation). Everything above the primitives (the acquire loop,
+:class:`~django_dlock.held.HeldLock`, the watchdog, async) is the mutex's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
 
 from .._validation import validate_name
 from ..exceptions import LimitMismatch
@@ -25,7 +34,6 @@ from .base import BaseLockBackend
 from .limits import RW_LIMIT, describe_limit, validate_limit
 from .ops import MutexOps, SlotOps
 from .parking_backend import ParkingBackend
-from .slots import list_semaphores
 from .types import Grant, ParkedTask, SemaphoreInfo, SlotEntry, extend_each
 
 
@@ -35,7 +43,7 @@ class SemaphoreBackend(BaseLockBackend):
     supports_semaphores: ClassVar[bool] = True
     #: Are a semaphore's waiters granted in the order they first asked?
     supports_fair_semaphores: ClassVar[bool] = False
-    #: What one acquisition of a slot makes (None: ``slots.SlotAttempt``).
+    #: What one acquisition of a slot makes (None: ``ops.SlotAttempt``).
     slot_attempt_class: ClassVar[type[Attempt] | None] = None
 
     @property
@@ -173,6 +181,47 @@ class SemaphoreBackend(BaseLockBackend):
         if broken:
             lock_broken.send(sender=type(self), backend=self.alias, name=name, token=token)
         return broken
+
+
+def list_semaphores(
+    alias: str, slots: Iterable[SlotEntry], parked_tasks: Iterable[ParkedTask]
+) -> list[SemaphoreInfo]:
+    """The semaphores and read/write locks of ``slots``, with the tasks parked on them."""
+    groups: dict[str, dict[str, Any]] = {}
+
+    def group(name: str, limit: int) -> dict[str, Any]:
+        return groups.setdefault(name, {"limit": limit, "holders": [], "waiting": 0, "parked": 0})
+
+    for entry in slots:
+        g = group(entry.name, entry.limit)
+        if entry.info is None:
+            g["waiting"] += 1
+        else:
+            g["holders"].append((entry.info, entry.weight))
+    for parked in parked_tasks:
+        groups.setdefault(parked.name, {"limit": 0, "holders": [], "waiting": 0, "parked": 0})[
+            "parked"
+        ] += 1
+    infos = []
+    for name, g in sorted(groups.items()):
+        held = sorted(g["holders"], key=lambda pair: pair[0].token)
+        rw = g["limit"] == RW_LIMIT
+        infos.append(
+            SemaphoreInfo(
+                backend=alias,
+                name=name,
+                kind="rwlock" if rw else "semaphore",
+                limit=g["limit"],
+                holders=tuple(info for info, _ in held),
+                modes=tuple(
+                    ("write" if weight == RW_LIMIT else "read") if rw else "slot"
+                    for _, weight in held
+                ),
+                waiting=g["waiting"],
+                parked=g["parked"],
+            )
+        )
+    return infos
 
 
 __all__ = ["SemaphoreBackend"]

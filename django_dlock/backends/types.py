@@ -1,7 +1,8 @@
 """What backends return: a :class:`Grant`, a :class:`LockInfo`, a :class:`ServerStatus`.
 
-And :func:`extend_each`, ``do_extend_many`` for a backend that renews one lease a call,
-and :class:`BoundElsewhere`, a lease this thread cannot reach now.
+And :func:`extend_each`, ``do_extend_many`` for a backend that renews one lease a call;
+:class:`BoundElsewhere`, a lease this thread cannot reach now; and :class:`Busy`, a
+statement the database refused for contention.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ class BoundElsewhere(BackendUnavailable):
     off (the renewal thread tries again, and no other connection can take the
     lease meanwhile: SQLite has one writer) and a release from another thread
     runs when it ends.
+    """
+
+
+class Busy(Exception):
+    """The database refused the statement for contention; the attempt may be repeated.
+
+    The database backend raises it; the probe behind ``ping()`` counts it a refusal.
     """
 
 

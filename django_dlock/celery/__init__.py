@@ -67,8 +67,8 @@ from kombu.utils.uuid import uuid
 
 from ..clocks import wall_micros
 from ..exceptions import LockTimeout
-from ..handle import HeldLock
 from ..handler import locks
+from ..held import HeldLock
 from ..keys import KeyTemplate
 from ..signals import task_deferred
 from ..task_policy import (

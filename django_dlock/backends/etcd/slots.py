@@ -49,9 +49,9 @@ from ..base import (
     load_holder,
     micros_to_datetime,
 )
+from ..ops import SlotAttempt
 from ..parking_backend import ParkingBackend
 from ..semaphore_backend import SemaphoreBackend
-from ..slots import SlotAttempt
 from .sessions import Entry, Sessions
 from .transport import (
     CREATE_ASC,

@@ -19,8 +19,8 @@ from ..._validation import load_holders
 from ...clocks import ms
 from ...exceptions import BackendUnavailable
 from ..base import Grant, LockInfo, ParkedTask, SlotEntry, micros_to_datetime
+from ..ops import SlotAttempt
 from ..parking_backend import ParkingBackend
-from ..slots import SlotAttempt
 from .connections import CLIENT_ERRORS, Node, text
 from .listing import lex_range
 from .semaphores_aio import RedisSemaphoresAsync

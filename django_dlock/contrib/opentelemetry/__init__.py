@@ -45,7 +45,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from ... import signals
-from ...handle import HeldLock
+from ...held import HeldLock
 from .. import Installation, Receivers
 
 #: The instrumentation scope of the spans.

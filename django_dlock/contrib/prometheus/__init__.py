@@ -72,7 +72,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from ... import signals
-from ...handle import HeldLock
+from ...held import HeldLock
 from ...watchdog import get_watchdog
 from .. import Installation, Receivers
 

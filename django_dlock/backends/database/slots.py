@@ -15,10 +15,10 @@ the caller's rollback never undoes a grant nor repeats a token):
    PostgreSQL and MySQL, ``BEGIN IMMEDIATE`` (the write lock) on SQLite, so
    that acquisitions of one name run one at a time;
 2. delete the name's rows whose leases ended by the server's clock;
-3. read the rest, and grant or record a waiter as ``base.py`` says.
+3. read the rest, and grant or record a waiter as ``semaphore_backend.py`` says.
 
 Inside the caller's ``atomic()`` on SQLite a slot joins the caller's
-transaction, as the mutex does (``database.py``'s docstring): a second
+transaction, as the mutex does (the package's docstring): a second
 connection could not commit while that transaction has read or written.
 The attempt reads first and writes only if a slot is free: granted at once,
 its rows written in the caller's transaction and the lease bound to that
@@ -45,14 +45,15 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from .._validation import load_holder, micros_to_datetime
-from ..clocks import ms, wall_micros
-from ..commit_hooks import at_transaction_end
-from ..exceptions import LockInTransaction
-from .base import LockInfo, ParkedTask, SlotEntry
-from .parking_backend import ParkingBackend
-from .semaphore_backend import SemaphoreBackend
-from .sql import BINARY, IDLE_IN_TRANSACTION, SERVER_CLOCK, Busy, micros
+from ..._validation import load_holder, micros_to_datetime
+from ...clocks import ms, wall_micros
+from ...commit_hooks import at_transaction_end
+from ...exceptions import LockInTransaction
+from ..base import LockInfo, ParkedTask, SlotEntry
+from ..parking_backend import ParkingBackend
+from ..semaphore_backend import SemaphoreBackend
+from ..types import Busy
+from .sql import BINARY, IDLE_IN_TRANSACTION, SERVER_CLOCK, micros
 
 T = TypeVar("T")
 
@@ -77,7 +78,7 @@ class _SQL:
     """The statements of one vendor, with the tables' quoted names."""
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
-        from ..models import Lease, ParkedCall, Slot
+        from ...models import Lease, ParkedCall, Slot
 
         vendor = connection.vendor
         q = connection.ops.quote_name
@@ -143,7 +144,7 @@ class _SQL:
 
 
 class DatabaseSlots(SemaphoreBackend, ParkingBackend):
-    """The ``*_slot`` and parking primitives of :class:`~.database.DatabaseBackend`."""
+    """The ``*_slot`` and parking primitives of :class:`~.backend.DatabaseBackend`."""
 
     supports_fair_semaphores = False
 
@@ -382,7 +383,7 @@ class DatabaseSlots(SemaphoreBackend, ParkingBackend):
         return released
 
     def _release_later(self, name: str, owner: str, until: float) -> None:
-        from ..watchdog import get_watchdog
+        from ...watchdog import get_watchdog
 
         watchdog = get_watchdog()
 

@@ -1,6 +1,6 @@
 """Leases taken inside ``transaction.atomic()`` on SQLite: bound to the caller's connection.
 
-A mixin of :class:`~.database.DatabaseBackend` (whose module docstring says
+A mixin of :class:`~.backend.DatabaseBackend` (the package's docstring says
 why): the lease lives in the caller's transaction until it ends, and only the
 thread that took it uses that connection. Renewals asked for on other threads
 are put off to the commit, releases to the transaction's end; a rollback
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from ..commit_hooks import at_transaction_end, on_commit_first
-from .offload import Offload
-from .types import BoundElsewhere
+from ...commit_hooks import at_transaction_end, on_commit_first
+from ..offload import Offload
+from ..types import BoundElsewhere
 
 logger = logging.getLogger("django_dlock")
 
@@ -104,7 +104,7 @@ class BoundLeases:
             self._tell_lost(owner, "the transaction it was taken in rolled back")
 
     def _tell_lost(self, owner: str, reason: str) -> None:
-        from ..watchdog import get_watchdog  # the watchdog sits above the backends
+        from ...watchdog import get_watchdog  # the watchdog sits above the backends
 
         for held in get_watchdog().scheduled(self.alias):
             if held.owner == owner:

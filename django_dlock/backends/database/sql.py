@@ -1,4 +1,4 @@
-"""SQL that the database backend's mutexes and semaphores share (its clock, busy errors)."""
+"""SQL that the database backend's mutexes and semaphores share (its clock, bounded waits)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from ..clocks import ms, wall_micros
+from ...clocks import ms, wall_micros
 
-__all__ = ["BINARY", "SERVER_CLOCK", "Busy", "add_clock", "micros"]
+__all__ = ["BINARY", "SERVER_CLOCK", "add_clock", "micros"]
 
 # The server's clock as integer microseconds since the epoch. Each expression
 # has one value for the whole statement, so a statement compares and stores
@@ -54,10 +54,6 @@ def add_clock(connection: BaseDatabaseWrapper) -> None:
     if getattr(connection, "_dlock_clock", None) is not raw:
         raw.create_function("dlock_now_us", 0, wall_micros)
         connection._dlock_clock = raw  # type: ignore[attr-defined]
-
-
-class Busy(Exception):
-    """The database refused the statement for contention; the attempt may be repeated."""
 
 
 #: How long one statement of the backend waits for a row lock that another
