@@ -1,4 +1,4 @@
-"""A worker process for the multi-process tests.
+"""A worker process for the multi-process tests (test_multiprocess.py).
 
 Configures Django from DLOCK_MP_CONFIG (JSON), waits for the start file so all
 workers begin together, then runs critical sections that read-modify-write an

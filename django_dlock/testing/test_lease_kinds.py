@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from django_dlock import (
+    HeldLock,
     LockLost,
     LockTimeout,
     lock,
@@ -27,7 +28,6 @@ from django_dlock.backends.base import BaseLockBackend
 from django_dlock.backends.limits import RW_LIMIT
 from django_dlock.backends.ops import MutexOps, SlotOps
 from django_dlock.exceptions import LockConfigurationError
-from django_dlock.handle import HeldLock
 from django_dlock.signals import lock_acquired, lock_broken, lock_released, lock_timeout
 
 

@@ -18,7 +18,17 @@ from django.db import connections
 from django_dlock.backends.base import BaseLockBackend
 
 WIDTH = 12
-ROOT = Path(__file__).resolve().parent.parent
+
+
+def child_environment() -> dict[str, str]:
+    """This environment, with this process's import path: the child imports what we do.
+
+    The backend under test may live in the project that runs the suite (its
+    directory on ``sys.path``, not installed); the child configures Django itself.
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    return env
 
 
 def run_workers(
@@ -52,9 +62,9 @@ def run_workers(
             "limit": limit,
             "inside": str(tmp_path / "inside"),
         }
-        env = {**os.environ, "DLOCK_MP_CONFIG": json.dumps(config), "PYTHONPATH": str(ROOT)}
-        env.pop("DJANGO_SETTINGS_MODULE", None)
-        workers.append(subprocess.Popen([sys.executable, "-m", "tests.mp_worker"], env=env))
+        env = {**child_environment(), "DLOCK_MP_CONFIG": json.dumps(config)}
+        worker = [sys.executable, "-m", "django_dlock.testing.mp_worker"]
+        workers.append(subprocess.Popen(worker, env=env))
     time.sleep(1.0)  # let every worker import Django and reach the start line
     start.touch()
     for worker in workers:
@@ -197,8 +207,7 @@ def test_a_killed_holder_frees_its_slot_within_the_ttl(
     code = HOLDER.replace("@DATABASES@", repr(databases))
     code = code.replace("@BACKEND@", repr(backend_settings))
     code = code.replace("@NAME@", repr(name)).replace("@TTL@", repr(ttl))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("DJANGO_SETTINGS_MODULE", None)
+    env = child_environment()
     holder = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
     try:
         assert holder.stdout is not None

@@ -24,23 +24,11 @@ from django_dlock import (
 from django_dlock.backends.base import BaseLockBackend
 from django_dlock.backends.slots import RW_LIMIT
 
-SHORT_TTL = 0.4
-
 
 @pytest.fixture(autouse=True)
-def _needs_semaphores(backend: BaseLockBackend) -> None:
+def needs_semaphores(backend: BaseLockBackend) -> None:
     if not backend.supports_semaphores:
         pytest.skip(f"backend {backend.alias!r} declares no supports_semaphores")
-
-
-@pytest.fixture
-def short_ttl(backend: BaseLockBackend) -> float:
-    return max(SHORT_TTL, backend.min_ttl)
-
-
-@pytest.fixture
-def past_expiry(backend: BaseLockBackend, short_ttl: float) -> float:
-    return short_ttl * 2 + backend.expiry_slack
 
 
 @pytest.fixture
