@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 "-c",
                 str(ini),
                 "--rootdir",
-                tmp,
+                suite,
                 "-p",
                 "django_dlock.testing.plugin",
                 "-p",

@@ -1,4 +1,4 @@
-"""Django settings for ``python -m django_dlock.testing``: the backend under test, from the environment.
+"""Django settings for ``python -m django_dlock.testing``: the backend under test, from env.
 
 ``DLOCK_TEST_BACKEND`` (a dotted class), ``DLOCK_TEST_LOCATION`` (a string,
 or JSON for a list) and ``DLOCK_TEST_OPTIONS`` (JSON) make the backend's
