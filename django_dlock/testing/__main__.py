@@ -25,8 +25,6 @@ PYTEST_INI = """\
 django_find_project = false
 python_files = test_*.py
 addopts = -ra --strict-markers
-filterwarnings =
-    error::DeprecationWarning:django_dlock
 """
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 
@@ -38,7 +37,7 @@ def main() -> None:
 
     while not os.path.exists(config["start"]):
         time.sleep(0.005)
-    records = []
+    records: list[tuple[int, int | None]] = []
     limit = config.get("limit")
     if limit is not None:
         # A semaphore: the section counts the processes inside it in a flock'd file.
@@ -83,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -21,6 +21,7 @@ top-level ``conftest.py``.
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -34,22 +35,34 @@ from django_dlock.backends.base import BaseLockBackend
 SHORT_TTL = 0.4
 
 
+def conformance_backends() -> dict[str, str | None]:
+    """The aliases under test, each with the ``DATABASES`` alias its tests need (or None)."""
+    under_test: dict[str, str | None] = getattr(settings, "CONFORMANCE_BACKENDS", {})
+    return under_test
+
+
+def backend_settings(alias: str) -> dict[str, Any]:
+    """The ``DLOCK_BACKENDS`` entry of ``alias``, for a process the test starts."""
+    entries: dict[str, dict[str, Any]] = getattr(settings, "DLOCK_BACKENDS", {})
+    return dict(entries[alias])
+
+
 def backend_params(
     aliases: list[str] | None = None, *, with_default_db: bool = False
-) -> list[object]:
+) -> list[Any]:
     """One pytest param per backend under test, marked with the database it needs.
 
     ``with_default_db``: the test also uses the "default" database (the
     admin's users, sessions and log), whatever the backend.
     """
-    under_test: dict[str, str | None] = getattr(settings, "CONFORMANCE_BACKENDS", {})
     unavailable: dict[str, str] = getattr(settings, "UNAVAILABLE_BACKENDS", {})
-    params = []
-    for alias, database in under_test.items():
+    params: list[Any] = []
+    for alias, database in conformance_backends().items():
         if aliases is not None and alias not in aliases:
             continue
         reason = unavailable.get(alias)
-        databases = sorted({database, "default"} - {None}) if with_default_db else [database]
+        needed = {database, "default"} if with_default_db else {database}
+        databases = sorted(d for d in needed if d is not None)
         if reason:
             marks = [pytest.mark.skip(reason=reason)]
         elif database is None and not with_default_db:

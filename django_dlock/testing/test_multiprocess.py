@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.conf import settings
 from django.db import connections
 
 from django_dlock.backends.base import BaseLockBackend
+from django_dlock.testing.plugin import backend_settings, conformance_backends
 
 WIDTH = 12
 
@@ -63,8 +63,8 @@ def run_workers(
             "inside": str(tmp_path / "inside"),
         }
         env = {**child_environment(), "DLOCK_MP_CONFIG": json.dumps(config)}
-        worker = [sys.executable, "-m", "django_dlock.testing.mp_worker"]
-        workers.append(subprocess.Popen(worker, env=env))
+        command = [sys.executable, "-m", "django_dlock.testing.mp_worker"]
+        workers.append(subprocess.Popen(command, env=env))
     time.sleep(1.0)  # let every worker import Django and reach the start line
     start.touch()
     for worker in workers:
@@ -89,27 +89,24 @@ def test_eight_processes_lose_no_updates(
     if not backend.supports_multiprocess:
         pytest.skip(f"{type(backend).__name__} keeps its locks in one process's memory")
     processes, sections = 8, 200
-    database = settings.CONFORMANCE_BACKENDS[backend_alias]
-    backend_settings = dict(settings.DLOCK_BACKENDS[backend_alias])
-    if database is not None:
-        # The worker knows the tested database as its "default".
-        backend_settings.pop("OPTIONS", None)
+    databases, entry = worker_settings(backend_alias)
     started = time.monotonic()
     records = run_workers(
         tmp_path,
         processes=processes,
         sections=sections,
         use_lock=True,
-        databases=database_settings(database) if database else {},
-        backend=backend_settings,
+        databases=databases,
+        backend=entry,
         hold=0.0005,
     )
     elapsed = time.monotonic() - started
     final = int((tmp_path / "counter").read_text())
     lost = processes * sections - final
     values = [value for value, _ in records]
-    tokens = [token for _, token in records]
-    inversions = sum(1 for a, b in itertools.pairwise(tokens) if not a < b)  # type: ignore[operator]
+    tokens = [token for _, token in records if token is not None]
+    assert len(tokens) == len(records), "a section ran without its lease's token"
+    inversions = sum(1 for a, b in itertools.pairwise(tokens) if not a < b)
     print(
         f"\n[{backend_alias}] {processes} processes x {sections} sections: "
         f"counter={final}, lost updates={lost}, token order inversions={inversions}, "
@@ -139,12 +136,15 @@ def test_without_the_lock_updates_are_lost(tmp_path: Path) -> None:
     assert final < processes * sections
 
 
-def _worker_settings(alias: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    database = settings.CONFORMANCE_BACKENDS[alias]
-    backend_settings = dict(settings.DLOCK_BACKENDS[alias])
-    if database is not None:
-        backend_settings.pop("OPTIONS", None)
-    return (database_settings(database) if database else {}), backend_settings
+def worker_settings(alias: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The worker's DATABASES and its "default" backend: those of ``alias`` here."""
+    database = conformance_backends()[alias]
+    entry = backend_settings(alias)
+    if database is None:
+        return {}, entry
+    # The worker knows the tested database as its "default".
+    entry.pop("OPTIONS", None)
+    return database_settings(database), entry
 
 
 @pytest.mark.multiprocess
@@ -156,10 +156,10 @@ def test_eight_processes_share_a_semaphore_of_three(
         pytest.skip(f"{type(backend).__name__} keeps its locks in one process's memory")
     if not backend.supports_semaphores:
         pytest.skip(f"backend {backend_alias!r} declares no supports_semaphores")
-    databases, backend_settings = _worker_settings(backend_alias)
+    databases, entry = worker_settings(backend_alias)
     records = run_workers(
         tmp_path, processes=8, sections=25, use_lock=True, databases=databases,
-        backend=backend_settings, hold=0.01, limit=3,
+        backend=entry, hold=0.01, limit=3,
     )  # fmt: skip
     inside = [count for count, _ in records]
     tokens = [token for _, token in records]
@@ -181,7 +181,6 @@ def test_the_semaphore_control_lets_more_than_three_in(tmp_path: Path) -> None:
 
 HOLDER = """
 import os, sys, time, django
-from django.conf import settings
 settings.configure(DATABASES=@DATABASES@, INSTALLED_APPS=["django_dlock"],
                    DLOCK_BACKENDS={"default": @BACKEND@}, USE_TZ=True)
 django.setup()
@@ -202,10 +201,10 @@ def test_a_killed_holder_frees_its_slot_within_the_ttl(
         pytest.skip(f"backend {backend_alias!r} declares no supports_semaphores")
     from django_dlock import LockTimeout, semaphore
 
-    databases, backend_settings = _worker_settings(backend_alias)
+    databases, entry = worker_settings(backend_alias)
     ttl = max(2.0, backend.min_ttl)
     code = HOLDER.replace("@DATABASES@", repr(databases))
-    code = code.replace("@BACKEND@", repr(backend_settings))
+    code = code.replace("@BACKEND@", repr(entry))
     code = code.replace("@NAME@", repr(name)).replace("@TTL@", repr(ttl))
     env = child_environment()
     holder = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)

@@ -12,6 +12,7 @@ import json
 import os
 import threading
 import time
+from functools import partial
 from typing import Any
 
 import pytest
@@ -63,6 +64,9 @@ def test_waiters_are_served_in_arrival_order(
             arrived.notify_all()
         return result
 
+    def has_tried(thread: threading.Thread) -> bool:
+        return thread.ident in tried
+
     holder = lock(name, backend=backend_alias).acquire()
     monkeypatch.setattr(backend.attempt_class, "try_acquire", observed)
     order: list[tuple[int, int]] = []
@@ -78,7 +82,7 @@ def test_waiters_are_served_in_arrival_order(
         threads.append(thread)
         # The next waiter starts only once this one has made its first attempt.
         with arrived:
-            assert arrived.wait_for(lambda t=thread: t.ident in tried, 30), f"waiter {i}"
+            assert arrived.wait_for(partial(has_tried, thread), 30), f"waiter {i}"
     holder.release()
     for thread in threads:
         thread.join(60)

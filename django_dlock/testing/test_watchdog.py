@@ -181,7 +181,7 @@ def _child_watchdog_state(queue: Any) -> None:
 @pytest.mark.backends("locmem")
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 # Forking a threaded process is the point: Celery's prefork pool does it.
-@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")
 def test_forked_child_does_not_renew_the_parents_leases(backend_alias: str, name: str) -> None:
     with lock(name, backend=backend_alias, ttl=5):
         context = multiprocessing.get_context("fork")
