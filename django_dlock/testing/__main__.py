@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             "DLOCK_TEST_OPTIONS": args.options or "",
             "DLOCK_TEST_TMP": tmp,
             "DJANGO_SETTINGS_MODULE": "django_dlock.testing.settings",
+            # Hypothesis's cache in the run's directory, not in the current one.
+            "HYPOTHESIS_STORAGE_DIRECTORY": str(Path(tmp) / "hypothesis"),
             "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p),
         }
     )

@@ -181,6 +181,7 @@ def test_the_semaphore_control_lets_more_than_three_in(tmp_path: Path) -> None:
 
 HOLDER = """
 import os, sys, time, django
+from django.conf import settings
 settings.configure(DATABASES=@DATABASES@, INSTALLED_APPS=["django_dlock"],
                    DLOCK_BACKENDS={"default": @BACKEND@}, USE_TZ=True)
 django.setup()
