@@ -39,7 +39,7 @@ def test_the_shipped_conformance_suite_passes_on_it(tmp_path: Path) -> None:
         sys.executable, "-m", "django_dlock.testing",
         "--backend", "tests.example_backend.SQLiteFileBackend",
         "--location", str(tmp_path / "locks.sqlite3"),
-        "-q", "-x", "-n", "2", "-p", "no:logging",
+        "-q", "-x", "-p", "no:logging",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "PYTEST_"))}
     run = subprocess.run(
