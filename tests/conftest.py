@@ -3,7 +3,6 @@ from __future__ import annotations
 import os
 import re
 import threading
-import uuid
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,8 +11,6 @@ from typing import Any
 import pytest
 from django.conf import settings
 
-from django_dlock import locks
-from django_dlock.backends.base import BaseLockBackend
 from tests.servers import (
     EtcdServer,
     RedisServer,
@@ -22,39 +19,10 @@ from tests.servers import (
     start_etcd_cluster,
 )
 
-
-def backend_params(
-    aliases: list[str] | None = None, *, with_default_db: bool = False
-) -> list[object]:
-    """One pytest param per backend under test, marked with the database it needs.
-
-    ``with_default_db``: the test also uses the "default" database (the
-    admin's users, sessions and log), whatever the backend.
-    """
-    params = []
-    for alias, database in settings.CONFORMANCE_BACKENDS.items():
-        if aliases is not None and alias not in aliases:
-            continue
-        reason = settings.UNAVAILABLE_BACKENDS.get(alias)
-        databases = sorted({database, "default"} - {None}) if with_default_db else [database]
-        if reason:
-            marks = [pytest.mark.skip(reason=reason)]
-        elif database is None and not with_default_db:
-            marks = []
-        else:
-            marks = [pytest.mark.django_db(transaction=True, databases=databases)]
-        params.append(pytest.param(alias, marks=marks, id=alias))
-    return params
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "backend_alias" in metafunc.fixturenames:
-        marker = metafunc.definition.get_closest_marker("backends")
-        aliases = list(marker.args) if marker else None
-        with_default_db = metafunc.definition.get_closest_marker("with_default_db") is not None
-        metafunc.parametrize(
-            "backend_alias", backend_params(aliases, with_default_db=with_default_db)
-        )
+#: The backend_alias parametrization over settings.CONFORMANCE_BACKENDS, the
+#: backends/with_default_db markers and the backend, name, short_ttl and
+#: past_expiry fixtures: the conformance suite's own plugin, which runs it here too.
+pytest_plugins = ["django_dlock.testing.plugin"]
 
 
 #: Test modules whose tests share a costly module-scoped fixture (a Celery
@@ -127,16 +95,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "backends(*aliases): run a backend_alias test on these backends only"
-    )
-    config.addinivalue_line(
-        "markers",
-        "with_default_db: a backend_alias test that also uses the default database",
-    )
-
-
 @pytest.fixture(scope="session")
 def redis_servers() -> Iterator[dict[str, Any]]:
     """The single node, the 3-master cluster, and Redlock's 3 masters (the third stopped)."""
@@ -183,15 +141,29 @@ def _servers_for_backend(request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("etcd_servers")
 
 
-@pytest.fixture
-def backend(backend_alias: str) -> BaseLockBackend:
-    return locks[backend_alias]
+#: What each backend's ping names: the server it reached, and its version.
+PING_VERSIONS = {
+    "locmem": r"^locmem ",
+    "example": r"^SQLite 3\.\d+",
+    "db-sqlite": r"^SQLite 3\.\d+",
+    "db-postgresql": r"^PostgreSQL \d+\.\d+",
+    "db-mysql": r"^(MariaDB|MySQL) \d+\.\d+\.\d+",
+    "redis": r"^Redis \d+\.\d+\.\d+$",
+    "redis-fair": r"^Redis \d+\.\d+\.\d+$",
+    "redis-cluster": r"^Redis \d+\.\d+\.\d+$",
+    "redlock": r"^Redis \d+\.\d+\.\d+$",
+    "etcd": r"^etcd 3\.\d+\.\d+$",
+    "etcd-cluster": r"^etcd 3\.\d+\.\d+$",
+}
 
 
 @pytest.fixture
-def name(request: pytest.FixtureRequest) -> str:
-    """A lock name no other test uses, so leases left by one test never meet another."""
-    return f"t:{request.node.name}:{uuid.uuid4().hex[:8]}"
+def ping_expected(backend_alias: str) -> tuple[str, tuple[str, ...]]:
+    """The plugin's fixture for our servers: each one's version; Redlock's stopped master."""
+    if backend_alias == "redlock":
+        # The test session stops the third master: locking works, ping says so.
+        return PING_VERSIONS[backend_alias], (f":{settings.REDIS_PORTS['redlock'][2]}/",)
+    return PING_VERSIONS[backend_alias], ()
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""A worker process for the multi-process tests.
+"""A worker process for the multi-process tests (test_multiprocess.py).
 
 Configures Django from DLOCK_MP_CONFIG (JSON), waits for the start file so all
 workers begin together, then runs critical sections that read-modify-write an
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 
@@ -38,7 +37,7 @@ def main() -> None:
 
     while not os.path.exists(config["start"]):
         time.sleep(0.005)
-    records = []
+    records: list[tuple[int, int | None]] = []
     limit = config.get("limit")
     if limit is not None:
         # A semaphore: the section counts the processes inside it in a flock'd file.
@@ -83,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,0 +1,111 @@
+"""``python -m django_dlock.testing``: the conformance suite against one backend.
+
+Usage::
+
+    python -m django_dlock.testing --backend dotted.path.Backend \
+        [--location LOCATION] [--options JSON] [pytest arguments...]
+
+The three options fall back on ``DLOCK_TEST_BACKEND``, ``DLOCK_TEST_LOCATION``
+and ``DLOCK_TEST_OPTIONS``. The exit status is pytest's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+#: The pytest configuration of the run: none of the calling project's
+#: (its pytest.ini or pyproject.toml would set its own settings module).
+PYTEST_INI = """\
+[pytest]
+django_find_project = false
+python_files = test_*.py
+addopts = -ra --strict-markers
+"""
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The backend's settings, and the arguments left for pytest."""
+    parser = argparse.ArgumentParser(
+        prog="python -m django_dlock.testing",
+        description="Run django-dlock's conformance suite against one lock backend.",
+        epilog="Any other argument goes to pytest (-x, -k EXPR, -n 2, ...).",
+    )
+    parser.add_argument(
+        "--backend",
+        default=os.environ.get("DLOCK_TEST_BACKEND"),
+        help="the backend's dotted class (DLOCK_TEST_BACKEND)",
+    )
+    parser.add_argument(
+        "--location",
+        default=os.environ.get("DLOCK_TEST_LOCATION"),
+        help="its LOCATION: a string, or a JSON list (DLOCK_TEST_LOCATION)",
+    )
+    parser.add_argument(
+        "--options",
+        default=os.environ.get("DLOCK_TEST_OPTIONS"),
+        help="its OPTIONS, as a JSON object (DLOCK_TEST_OPTIONS)",
+    )
+    args, rest = parser.parse_known_args(argv)
+    if not args.backend:
+        parser.error("the backend is missing: --backend dotted.path.Backend or DLOCK_TEST_BACKEND")
+    if args.options:
+        try:
+            options = json.loads(args.options)
+        except ValueError as e:
+            parser.error(f"--options is not JSON: {e}")
+        if not isinstance(options, dict):
+            parser.error("--options must be a JSON object")
+    return args, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = parse(sys.argv[1:] if argv is None else argv)
+    import pytest
+
+    tmp = tempfile.mkdtemp(prefix="dlock-conformance-")
+    ini = Path(tmp) / "pytest.ini"
+    ini.write_text(PYTEST_INI)
+    # In the environment, not only in this process: pytest-xdist's workers and
+    # the processes the tests start read the same settings, and import the
+    # backend from the same directories (the current one first, as here).
+    os.environ.update(
+        {
+            "DLOCK_TEST_BACKEND": args.backend,
+            "DLOCK_TEST_LOCATION": args.location or "",
+            "DLOCK_TEST_OPTIONS": args.options or "",
+            "DLOCK_TEST_TMP": tmp,
+            "DJANGO_SETTINGS_MODULE": "django_dlock.testing.settings",
+            # Hypothesis's cache in the run's directory, not in the current one.
+            "HYPOTHESIS_STORAGE_DIRECTORY": str(Path(tmp) / "hypothesis"),
+            "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p),
+        }
+    )
+    suite = str(Path(__file__).resolve().parent)
+    print(f"django-dlock conformance suite: {args.backend} as 'under_test' ({suite})")
+    return int(
+        pytest.main(
+            [
+                "-c",
+                str(ini),
+                "--rootdir",
+                suite,
+                "-p",
+                "django_dlock.testing.plugin",
+                "-p",
+                "no:cacheprovider",
+                "--ds",
+                "django_dlock.testing.settings",
+                *rest,
+                suite,
+            ]
+        )
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
