@@ -36,7 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from django_dlock import HeldLock, LimitMismatch, LockLost, LockNotOwned, LockTimeout, locks
 from django_dlock import rwlock as make_rwlock
 from django_dlock import semaphore as make_semaphore
-from django_dlock.backends.slots import RW_LIMIT
+from django_dlock.backends.limits import RW_LIMIT
 
 settings.register_profile(
     "slots-ci",
