@@ -23,9 +23,9 @@ from django_dlock import (
     semaphore,
 )
 from django_dlock.backends.base import BaseLockBackend
+from django_dlock.backends.limits import RW_LIMIT
 from django_dlock.backends.parking_backend import ParkingBackend
 from django_dlock.backends.semaphore_backend import SemaphoreBackend
-from django_dlock.backends.limits import RW_LIMIT
 
 
 @pytest.fixture(autouse=True)
