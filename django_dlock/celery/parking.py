@@ -38,6 +38,7 @@ from kombu.utils import json as kombu_json
 
 from ..backends.base import BaseLockBackend, ParkedTask
 from ..backends.parking_backend import ParkingBackend
+from ..backends.semaphore_backend import SemaphoreBackend
 from ..exceptions import LockConfigurationError
 from ..handler import locks
 
@@ -259,8 +260,9 @@ def send_parked_calls(app: Any, alias: str | None = None) -> tuple[int, float | 
             except (TypeError, ValueError, AttributeError):
                 limits.setdefault(parked.name, None)
         for key, limit in sorted(limits.items()):
-            if isinstance(limit, int) and backend.supports_semaphores:
-                holders = [h for i in backend.semaphores(key) if i.name == key for h in i.holders]
+            if isinstance(limit, int) and isinstance(backend, SemaphoreBackend):
+                info = backend.semaphore(key)  # this one semaphore: no listing by prefix
+                holders = [] if info is None else list(info.holders)
             else:  # a mutex (a task without limit)
                 one = backend.get(key)
                 limit, holders = 1, ([] if one is None else [one])
