@@ -583,3 +583,68 @@ def test_a_skip_names_who_holds_the_key(log: str) -> None:
     [sent] = skipped
     assert sent["holder"]["view"] == "orders.pay"
     assert sent["holder"]["pid"] == os.getpid()
+
+
+#: The layout of Celery's "First steps with Django": the project's package
+#: imports its Celery app, which autodiscovers each installed app's tasks.
+_PROJECT = {
+    "proj/__init__.py": "from .celery import app as celery_app\n",
+    "proj/celery.py": (
+        "from celery import Celery\n"
+        "app = Celery('proj')\n"
+        "app.config_from_object('django.conf:settings', namespace='CELERY')\n"
+        "app.autodiscover_tasks()\n"
+    ),
+    "proj/settings.py": (
+        "SECRET_KEY = 'x'\n"
+        "INSTALLED_APPS = ['django.contrib.contenttypes', 'django_dlock', 'shop']\n"
+        "DATABASES = {'default': {'ENGINE': 'django.db.backends.sqlite3', 'NAME': ':memory:'}}\n"
+        "CELERY_BROKER_URL = 'memory://'\n"
+        "DLOCK_BACKENDS = {\n"
+        "    'default': {'BACKEND': 'django_dlock.backends.locmem.LocMemBackend'},\n"
+        "    'redlock': {'BACKEND': 'django_dlock.backends.redis.RedlockBackend',\n"
+        "                'LOCATION': ['redis://127.0.0.1:{0}', 'redis://127.0.0.1:{1}',\n"
+        "                             'redis://127.0.0.1:{2}']},\n"
+        "}\n"
+    ),
+    "shop/__init__.py": "",
+    "shop/tasks.py": (
+        "from django_dlock.celery import locked_task\n"
+        "@locked_task(limit=2, backend='redlock')\n"
+        "def limited(x): return x\n"
+        "@locked_task(on_locked='defer', backend='redlock', lock={'limit': 3})\n"
+        "def deferred(x): return x\n"
+    ),
+}
+
+
+def test_the_part_checks_see_the_tasks_celery_autodiscovers(tmp_path: Path) -> None:
+    """E010/E011 in ``manage.py check`` for tasks only autodiscovery imports.
+
+    Nothing imports ``shop.tasks`` but Celery's autodiscovery, which a worker
+    triggers when it starts and ``manage.py check`` did not: the checks said
+    "no issues" and every call failed in the worker.
+    """
+    import subprocess
+    import sys
+
+    ports = [free_port() for _ in range(3)]  # nothing listens: the checks make no I/O
+    for path, text in _PROJECT.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text.replace("{0}", str(ports[0])).replace(
+            "{1}", str(ports[1])).replace("{2}", str(ports[2])))  # fmt: skip
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "proj.settings",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "django", "check"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert output.count("django_dlock.E010") == 2, output  # limit=2 and lock={'limit': 3}
+    assert output.count("django_dlock.E011") == 1, output
+    assert "shop.tasks.limited" in output and "shop.tasks.deferred" in output

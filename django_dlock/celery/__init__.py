@@ -475,9 +475,14 @@ def _release_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> 
 def locked_tasks() -> Iterator[tuple[str, LockOptions]]:
     """The locked tasks of the current Celery app and their options, by name.
 
-    None while the app cannot be finalized yet (``autofinalize=False``).
+    Imports the app's task modules first, as a worker does when it starts
+    (``app.autodiscover_tasks()``, ``imports``/``include``): in
+    ``manage.py check`` nothing else would, and a project's tasks are in the
+    modules autodiscovery imports. None while the app cannot be finalized yet
+    (``autofinalize=False``).
     """
     try:
+        current_app.loader.import_default_modules()
         tasks = dict(current_app.tasks)
     except RuntimeError:
         return
