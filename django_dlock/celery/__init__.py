@@ -475,15 +475,20 @@ def _release_revoked(sender: Any = None, request: Any = None, **kwargs: Any) -> 
 def locked_tasks() -> Iterator[tuple[str, LockOptions]]:
     """The locked tasks of the current Celery app and their options, by name.
 
-    Imports the app's task modules first, as a worker does when it starts
-    (``app.autodiscover_tasks()``, ``imports``/``include``): in
-    ``manage.py check`` nothing else would, and a project's tasks are in the
-    modules autodiscovery imports. None while the app cannot be finalized yet
-    (``autofinalize=False``).
+    Imports the app's task modules first, as a worker does when it starts:
+    in ``manage.py check`` nothing else would, and a project's tasks are in
+    the modules Celery imports then: each installed app's ``tasks`` module
+    (what ``app.autodiscover_tasks()`` finds, forced here) and the
+    ``imports``/``include`` settings. Not the whole worker start-up
+    (``import_default_modules()``), which sets Django up once more. None
+    while the app cannot be finalized yet (``autofinalize=False``).
     """
+    app = current_app
     try:
-        current_app.loader.import_default_modules()
-        tasks = dict(current_app.tasks)
+        app.autodiscover_tasks(force=True)
+        for module in app.loader.default_modules:
+            app.loader.import_task_module(module)
+        tasks = dict(app.tasks)
     except RuntimeError:
         return
     for name, task in sorted(tasks.items()):
