@@ -28,6 +28,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
+from types import SimpleNamespace
 from typing import Any, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction
@@ -290,16 +291,37 @@ _limited_classes: weakref.WeakSet[type[LockRequiredMixin]] = weakref.WeakSet()
 
 def views_with_limit() -> list[tuple[str, str, int]]:
     """The guarded views defined so far that have a limit: (view, backend alias, limit)."""
-    found = [
-        (f"{view.__module__}.{view.__qualname__}", backend, limit)
-        for view, (backend, limit) in list(_with_limit.items())
-    ]
+    found = []
+    for view, (backend, limit) in list(_with_limit.items()):
+        made = getattr(view, "view_class", view)  # as_view(): named by its class
+        found.append((f"{made.__module__}.{made.__qualname__}", backend, limit))
     for cls in list(_limited_classes):
         if cls.lock_limit is not None:
             found.append(
                 (f"{cls.__module__}.{cls.__qualname__}", cls.lock_backend, cls.lock_limit)
             )
     return sorted(found)
+
+
+#: The options of a ``LockRequiredMixin`` view.
+_LOCK_OPTIONS = (
+    "lock_key", "lock_timeout", "lock_ttl", "lock_backend", "lock_status", "lock_metadata",
+    "lock_limit", "lock_release_on_commit",
+)  # fmt: skip
+
+
+def _guard_of(view: Any) -> _Guard:
+    """The guard a ``LockRequiredMixin`` view's (or class's) ``lock_*`` options make."""
+    return _Guard(
+        view.lock_key,
+        timeout=view.lock_timeout,
+        ttl=view.lock_ttl,
+        backend=view.lock_backend,
+        status=view.lock_status,
+        metadata=view.lock_metadata,
+        limit=view.lock_limit,
+        release_on_commit=view.lock_release_on_commit,
+    )
 
 
 class LockRequiredMixin:
@@ -326,18 +348,23 @@ class LockRequiredMixin:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _limited_classes.add(cls)
+        if cls.lock_key:  # a guarded view (not a base without a key): bad options raise here
+            _guard_of(cls)
 
     def get_lock_guard(self) -> _Guard:
-        return _Guard(
-            self.lock_key,
-            timeout=self.lock_timeout,
-            ttl=self.lock_ttl,
-            backend=self.lock_backend,
-            status=self.lock_status,
-            metadata=self.lock_metadata,
-            limit=self.lock_limit,
-            release_on_commit=self.lock_release_on_commit,
-        )
+        return _guard_of(self)
+
+    @classmethod
+    def as_view(cls, **initkwargs: Any) -> Any:
+        """Django's ``as_view()``; ``lock_*`` options given here are checked here too."""
+        view = super().as_view(**initkwargs)  # type: ignore[misc]
+        given = {key: value for key, value in initkwargs.items() if key.startswith("lock_")}
+        if given:
+            options = {name: getattr(cls, name) for name in _LOCK_OPTIONS} | given
+            _guard_of(SimpleNamespace(**options))  # bad options raise where the view is made
+            if options["lock_limit"] is not None:
+                _with_limit[view] = (options["lock_backend"], options["lock_limit"])
+        return view
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
         guard = self.get_lock_guard()

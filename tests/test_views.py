@@ -228,3 +228,47 @@ def test_a_limit_on_a_backend_without_semaphores_is_a_check_error_at_startup() -
     del limited_fn, one_fn, LimitedView, LimitedOnLocMem, message
     gc.collect()
     assert not {str(obj) for obj in errors() if str(obj).startswith(prefix)}
+
+
+def test_a_class_based_view_s_bad_options_raise_where_it_is_defined_or_made() -> None:
+    """As lock_view's do: LockRequiredMixin's options, and those given to as_view()."""
+    import gc
+
+    from django.core import checks
+    from django.views import View
+
+    from django_dlock.views import LockRequiredMixin
+
+    with pytest.raises(ValueError):
+
+        class NoRoom(LockRequiredMixin, View):
+            lock_key = "no-room"
+            lock_limit = 0
+
+    with pytest.raises(ValueError):
+
+        class NegativeTimeout(LockRequiredMixin, View):
+            lock_key = "negative"
+            lock_timeout = -5
+
+    with pytest.raises(TypeError, match="non-empty str"):
+
+        class EmptyKey(LockRequiredMixin, View):
+            lock_key = ""
+            lock_timeout = 1  # a key is what makes it a guarded view: give one
+
+        EmptyKey.as_view(lock_key="")
+
+    class Plain(LockRequiredMixin, View):
+        lock_key = "plain"
+
+    with pytest.raises(ValueError):
+        Plain.as_view(lock_limit=0)
+    with pytest.raises(ValueError):
+        Plain.as_view(lock_ttl=-1)
+    view = Plain.as_view(lock_backend="redlock", lock_limit=2)
+    found = [m for m in checks.run_checks() if m.id == "django_dlock.E010"]
+    assert any(str(m.obj).endswith(".Plain") and "'redlock'" in m.msg for m in found), found
+    del view, found, Plain
+    gc.collect()
+    assert not [m for m in checks.run_checks() if str(m.obj).endswith(".Plain")]
