@@ -408,6 +408,8 @@ class BaseLockBackend:
         """
         if limit is not None:
             raise self._no_semaphores("limit=")
+        if weight != 1 or isinstance(weight, bool):
+            raise ValueError(f"weight={weight!r} needs a limit: a mutex has no weights.")
         return MutexOps(self)
 
     def _no_semaphores(self, what: str) -> LockConfigurationError:
@@ -433,6 +435,8 @@ class BaseLockBackend:
         ttl = self.default_ttl if ttl is None else validate_ttl(ttl)
         timeout = validate_timeout(timeout)
         ops = self.ops(limit, weight)
+        if template is not None and not isinstance(template, str):
+            raise TypeError(f"template must be a str or None, not {type(template).__name__}.")
         deadline = None if timeout is None else time.monotonic() + timeout
         holder = holder_metadata(ttl, metadata)
         attempt = ops.attempt(name, new_owner(), ttl, holder, renew, template)

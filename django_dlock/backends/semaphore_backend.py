@@ -147,6 +147,11 @@ class SemaphoreBackend(BaseLockBackend):
             limit = validate_limit(limit)
         if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= limit:
             raise ValueError(f"weight must be an int from 1 to the limit, not {weight!r}.")
+        if limit == RW_LIMIT and weight not in (1, RW_LIMIT):
+            raise ValueError(
+                "A read/write lock is entered with weight 1 (a reader) or RW_LIMIT (a writer), "
+                f"not {weight!r}."
+            )
         return SlotOps(self, limit, weight)
 
     def semaphores(self, prefix: str = "") -> builtins.list[SemaphoreInfo]:
