@@ -648,3 +648,21 @@ def test_the_part_checks_see_the_tasks_celery_autodiscovers(tmp_path: Path) -> N
     assert output.count("django_dlock.E010") == 2, output  # limit=2 and lock={'limit': 3}
     assert output.count("django_dlock.E011") == 1, output
     assert "shop.tasks.limited" in output and "shop.tasks.deferred" in output
+
+
+@pytest.mark.parametrize("alias", ["celery", "locmem"])
+def test_park_and_unpark_refuse_bad_input_before_the_backend(alias: str) -> None:
+    """Not BackendUnavailable (the "service down" error) nor a backend's own answer."""
+    with pytest.raises(ValueError):
+        park(alias, "", "task-1", 1, "{}")
+    with pytest.raises(ValueError):
+        park(alias, "parked:bad", "", 1, "{}")
+    for order in ("x", 2**70, True):
+        with pytest.raises(ValueError, match="order"):
+            park(alias, "parked:bad", "task-1", order, "{}")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="payload"):
+        park(alias, "parked:bad", "task-1", 1, b"{}")  # type: ignore[arg-type]
+    for count in (-1, 0, "3"):
+        with pytest.raises(ValueError, match="count"):
+            unpark(alias, "parked:bad", count)  # type: ignore[arg-type]
+    assert unpark(alias, "parked:bad", 5) == []

@@ -36,6 +36,7 @@ from typing import Any
 
 from kombu.utils import json as kombu_json
 
+from .._validation import validate_name
 from ..backends.base import BaseLockBackend, ParkedTask
 from ..backends.parking_backend import ParkingBackend
 from ..backends.semaphore_backend import SemaphoreBackend
@@ -94,17 +95,34 @@ def park(alias: str, name: str, key: str, order: int, payload: str) -> None:
     what sends it again (:func:`park_payload`). Raises :class:`NoParking`
     for a backend without a parking queue.
     """
+    if isinstance(order, bool) or not isinstance(order, int) or order not in ORDER_RANGE:
+        raise ValueError(f"order must be an int of 64 bits, not {order!r}.")
+    if not isinstance(payload, str):
+        raise TypeError(f"payload must be a str, not {type(payload).__name__}.")
+    name, key = validate_name(name), _checked_key(key)
     _parking(alias).do_park(name, key, order, payload)
 
 
 def unpark(alias: str, name: str, count: int) -> list[ParkedTask]:
     """Remove and return up to ``count`` calls parked on ``name``, the lowest ``order`` first."""
-    return _parking(alias).do_unpark(name, count)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive int, not {count!r}.")
+    return _parking(alias).do_unpark(validate_name(name), count)
 
 
 def unpark_key(alias: str, name: str, key: str) -> bool:
     """Remove the call ``key`` parked on ``name``; True if it was there."""
-    return _parking(alias).do_unpark_key(name, key)
+    return _parking(alias).do_unpark_key(validate_name(name), _checked_key(key))
+
+
+def _checked_key(key: object) -> str:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"A parked call's key must be a non-empty str, not {key!r}.")
+    return key
+
+
+#: ``order`` is stored as a signed 64-bit integer (a database column, a sorted-set score).
+ORDER_RANGE = range(-(2**63), 2**63)
 
 
 def header(request: Any, name: str) -> Any:
