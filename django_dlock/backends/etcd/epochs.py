@@ -95,11 +95,19 @@ class Epochs:
 
     # --- what replies tell ------------------------------------------------------------
 
-    def note(self, revision: int) -> None:
-        """A reply's header revision: one below what we saw means etcd lost data."""
-        if revision < self.high:
+    def note(self, revision: int, floor: int) -> None:
+        """A reply's header revision; ``floor``, the highest seen when its request was sent.
+
+        A revision below ``floor`` means etcd lost data: etcd's reads and
+        writes are linearizable, so a request sent after a reply showed
+        revision r is answered at r or later. Below ``high`` alone proves
+        nothing: calls of several threads at once come back in any order, and
+        a waiter whose put saw a false alarm put its key anew, losing its
+        place in the queue to those that queued after it.
+        """
+        if revision < floor:
             self.suspect = True
-        elif revision > self.high:
+        if revision > self.high:
             self.high = revision
 
     @property

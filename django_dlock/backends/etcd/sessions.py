@@ -96,8 +96,12 @@ class Sessions:
 
     def call(self, name: str, stub: str, method: str, request: Any, **kwargs: Any) -> Any:
         """``Transport.request``; once etcd answers, delete the keys left behind."""
+        # The revision replies had shown before this one was sent: a reply of
+        # another thread's that came back meanwhile may show a newer one.
+        floor = self.epochs.high
         reply = self.transport.request(name, stub, method, request, **kwargs)
-        self.epochs.note(reply.header.revision)
+        if stub != "maintenance":  # Status is a member's own view, not linearizable
+            self.epochs.note(reply.header.revision, floor)
         if self.orphans:
             # etcd answers again: finish the releases that could not reach it.
             self._sweep_orphans()
