@@ -255,9 +255,13 @@ def parked_call(key: str) -> Iterator[None]:
 
 
 @override_settings(DLOCK_BACKENDS={"default": LOCMEM})
-def test_semaphores_and_rwlocks_follow_the_mutexes_in_a_table_of_their_own(name: str) -> None:
+def test_semaphores_and_rwlocks_follow_the_mutexes_in_a_table_of_their_own(
+    name: str, request: pytest.FixtureRequest
+) -> None:
     backend = locks["default"]
-    host = lock(f"{name}:mutex").acquire().holder["host"]  # held until the test ends
+    mutex = lock(f"{name}:mutex").acquire()  # released when the test ends, whatever happens
+    request.addfinalizer(mutex.release_quietly)
+    host = mutex.holder["host"]
     exports = [semaphore(f"{name}:exports", limit=3).acquire() for _ in range(2)]
     reader = rwlock(f"{name}:catalog").read().acquire()
     with parked_call(f"{name}:api"), waiter(rwlock(f"{name}:catalog").write(), backend):

@@ -118,7 +118,8 @@ def test_a_contended_grant_and_a_timeout(metrics: prometheus.Metrics) -> None:
         locks["locmem"].acquire(name, timeout=0)
     assert value(metrics, "dlock_timeouts_total", **labels) == 1
     assert value(metrics, "dlock_wait_seconds_count", **labels, outcome="timeout") == 1
-    assert value(metrics, "dlock_wait_seconds_sum", **labels, outcome="timeout") >= 0.2
+    # At least the timeout, give or take the clock's read (0.1998 was seen).
+    assert value(metrics, "dlock_wait_seconds_sum", **labels, outcome="timeout") >= 0.19
     # A one-shot try is not a wait that ran out (skipped tasks, guarded views).
     assert value(metrics, "dlock_refused_tries_total", **labels) == 1
     threading.Timer(0.3, holder.release).start()
