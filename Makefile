@@ -51,7 +51,7 @@ system-deps:
 # own servers (tests/settings.py); tests that share a costly module fixture
 # stay on one worker (xdist groups, tests/conftest.py). PYTEST_WORKERS=0 runs
 # them one after the other in this process.
-PYTEST_WORKERS ?= 4
+PYTEST_WORKERS ?= 2
 test: system-deps $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS)
 
