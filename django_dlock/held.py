@@ -453,9 +453,17 @@ class HeldLock(LeaseAccounting):
         so it can travel in a message: ``@locked_task(scope="queue")`` sends
         it with the task. This handle no longer owns the lease: releasing it
         is a no-op and :meth:`ensure` raises :class:`LockLost`.
+
+        A mutex's lease only: a semaphore's or read/write lock's slot raises
+        :class:`TypeError`, and stays held here.
         """
         if self.inherited:
             raise self._error(LockNotOwned, f"cannot be detached: it {_INHERITED}")
+        if self.ops.limit is not None:
+            raise TypeError(
+                f"{self.kind} {self.name!r} on {self.alias!r} cannot be detached: a slot "
+                "is one of a semaphore's leases and cannot be handed to another process."
+            )
         with self._mutex:
             if self._state != HELD:
                 raise self._error(LockNotOwned, f"cannot be detached: it was {self._state}")

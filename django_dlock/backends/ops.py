@@ -179,7 +179,7 @@ class SlotOps:
         return self.backend.do_extend_slots_many(leases)
 
     def detach(self, name: str, owner: str) -> Any:
-        raise NotImplementedError(
+        raise TypeError(
             "A semaphore's or read/write lock's slot cannot be handed to another process."
         )
 

@@ -140,6 +140,26 @@ def test_a_semaphore_handle_gets_and_breaks_its_own_slot(
         mutex.release_quietly()
 
 
+def test_a_slot_refuses_detach_and_stays_held(
+    backend_alias: str, slots: BaseLockBackend, name: str
+) -> None:
+    """A slot cannot travel as a ticket: a clear error, and the slot is still ours, renewed."""
+    for acquiring in (
+        semaphore(name, limit=2, backend=backend_alias, timeout=5, ttl=2),
+        rwlock(name + ":rw", backend=backend_alias, timeout=5, ttl=2).read(),
+    ):
+        held = acquiring.acquire()
+        try:
+            with pytest.raises(TypeError, match="cannot be detached"):
+                held.detach()
+            assert not held.detached and not held.lost
+            held.ensure()
+            assert held.get() is not None
+        finally:
+            held.release()
+        assert held.released
+
+
 def test_a_mutex_handle_gets_and_breaks_its_own_lease(
     backend_alias: str, backend: BaseLockBackend, name: str
 ) -> None:
