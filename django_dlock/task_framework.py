@@ -153,13 +153,7 @@ class LockOptions(TaskLockOptions):
                 f"on_locked={on_locked!r} of {task} is Celery-only ({CELERY_ONLY[on_locked]}); "
                 f"use one of {ON_LOCKED!r}."
             )
-        common = parse_common(value, task, cls.__dataclass_fields__, ON_LOCKED)
-        if common["scope"] == "queue" and common["limit"] is not None:
-            raise ValueError(
-                f"limit applies to scope='run' only ({task}): a semaphore's slot cannot "
-                "travel with an enqueued task."
-            )
-        return cls(**common)
+        return cls(**parse_common(value, task, cls.__dataclass_fields__, ON_LOCKED))
 
 
 # The lock options of each task ``locked_task`` made, by name, for the system checks.

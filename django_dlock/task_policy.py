@@ -108,6 +108,11 @@ def parse_common(
     if "timeout" in value and when_locked != "wait":
         raise ValueError(f"timeout applies to on_locked='wait' only ({task}).")
     limit = value.get("limit")
+    if scope == "queue" and limit is not None:
+        raise ValueError(
+            f"limit applies to scope='run' only ({task}): a semaphore's slot cannot "
+            "travel with a message or an enqueued task."
+        )
     return {
         "key": key,
         "ttl": None if ttl is None else validate_ttl(ttl),

@@ -159,10 +159,10 @@ class LockOptions(TaskLockOptions):
             )
         if "countdown" in value and on_locked != "retry":
             raise ValueError(f"countdown applies to on_locked='retry' only ({task}).")
-        if scope == "queue" and (common["limit"] is not None or on_locked == "defer"):
+        if scope == "queue" and on_locked == "defer":
             raise ValueError(
-                f"limit and on_locked='defer' apply to scope='run' only ({task}): a "
-                "semaphore's slot cannot travel with a message, nor be parked."
+                f"on_locked='defer' applies to scope='run' only ({task}): a call refused "
+                "while it is being enqueued has no message to park."
             )
         countdown = value.get("countdown")
         if countdown is not None and (
