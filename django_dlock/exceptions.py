@@ -32,10 +32,33 @@ that is raised at once. ``timeout=0`` does not retry at all.
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.core.exceptions import ImproperlyConfigured
 
 
-class DLockError(Exception):
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """An error of ``cls`` unpickled: its message and attributes, ``__init__`` not called."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class _Picklable:
+    """Pickled with its attributes, whatever its ``__init__`` requires.
+
+    Celery sends a task's exception to the caller pickled: without this, an
+    error whose ``__init__`` takes required keywords (``LimitMismatch``)
+    cannot be rebuilt, and the caller gets a plain base class instead.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        error: Any = self
+        return (_rebuilt, (type(self), error.args, dict(error.__dict__)))
+
+
+class DLockError(_Picklable, Exception):
     """Root of every runtime error raised by django-dlock."""
 
     def __init__(
@@ -120,7 +143,7 @@ class StaleWrite(DLockError):
     """A fenced write was refused because a newer fencing token has already written."""
 
 
-class LockConfigurationError(ImproperlyConfigured):
+class LockConfigurationError(_Picklable, ImproperlyConfigured):
     """Root of configuration errors; ``check_id`` is the system check that reports it."""
 
     check_id = "django_dlock.E006"
