@@ -25,7 +25,7 @@ from testproject.celery import app
 
 from django_dlock import LockTimeout, lock, locks
 from django_dlock.celery import HEADER, LockedTask, LockOptions, locked_task, park, unpark
-from django_dlock.celery.parking import NoParking
+from django_dlock.celery.parking import NoParking, park_payload
 from django_dlock.signals import task_skipped
 from tests import tasks
 from tests.servers import free_port
@@ -408,14 +408,15 @@ def test_limit_and_defer_on_a_backend_without_them_are_check_errors_at_startup()
 
 
 def test_park_and_unpark_refuse_a_backend_without_a_parking_queue() -> None:
+    payload = park_payload("tests.tasks.x", [], {}, {}, 1, None)
     with on_redlock():
         with pytest.raises(NoParking, match=r"'celery'.*no parking queue") as raised:
-            park("celery", "parked:x", "task-1", 1, "{}")
+            park("celery", "parked:x", "task-1", 1, payload)
         assert raised.value.alias == "celery"
         assert raised.value.check_id == "django_dlock.E011"
         with pytest.raises(NoParking, match="'celery'"):
             unpark("celery", "parked:x", 1)
-    park("celery", "parked:x", "task-1", 1, "{}")  # Redis has one
+    park("celery", "parked:x", "task-1", 1, payload)  # Redis has one
     assert [entry.key for entry in unpark("celery", "parked:x", 5)] == ["task-1"]
 
 
@@ -472,7 +473,6 @@ def test_a_parked_call_keeps_what_celerys_json_carries() -> None:
 
     from kombu.utils.json import loads
 
-    from django_dlock.celery.parking import park_payload
 
     args = (
         datetime.datetime(2026, 11, 23, 12, 0),
@@ -600,6 +600,7 @@ _PROJECT = {
         "INSTALLED_APPS = ['django.contrib.contenttypes', 'django_dlock', 'shop']\n"
         "DATABASES = {'default': {'ENGINE': 'django.db.backends.sqlite3', 'NAME': ':memory:'}}\n"
         "CELERY_BROKER_URL = 'memory://'\n"
+        "ROOT_URLCONF = 'shop.urls'\n"
         "DLOCK_BACKENDS = {\n"
         "    'default': {'BACKEND': 'django_dlock.backends.locmem.LocMemBackend'},\n"
         "    'redlock': {'BACKEND': 'django_dlock.backends.redis.RedlockBackend',\n"
@@ -614,12 +615,22 @@ _PROJECT = {
         "def limited(x): return x\n"
         "@locked_task(on_locked='defer', backend='redlock', lock={'limit': 3})\n"
         "def deferred(x): return x\n"
+        "@locked_task(backend='redlok')\n"
+        "def misspelt(x): return x\n"
+    ),
+    "shop/urls.py": (
+        "from django.http import HttpResponse\n"
+        "from django.urls import path\n"
+        "from django_dlock.views import lock_view\n"
+        "@lock_view('page', backend='defualt')\n"
+        "def page(request): return HttpResponse()\n"
+        "urlpatterns = [path('page/', page)]\n"
     ),
 }
 
 
 def test_the_part_checks_see_the_tasks_celery_autodiscovers(tmp_path: Path) -> None:
-    """E010/E011 in ``manage.py check`` for tasks only autodiscovery imports.
+    """E010/E011/E012 in ``manage.py check`` for tasks only autodiscovery imports.
 
     Nothing imports ``shop.tasks`` but Celery's autodiscovery, which a worker
     triggers when it starts and ``manage.py check`` did not: the checks said
@@ -648,6 +659,10 @@ def test_the_part_checks_see_the_tasks_celery_autodiscovers(tmp_path: Path) -> N
     assert output.count("django_dlock.E010") == 2, output  # limit=2 and lock={'limit': 3}
     assert output.count("django_dlock.E011") == 1, output
     assert "shop.tasks.limited" in output and "shop.tasks.deferred" in output
+    # An alias DLOCK_BACKENDS does not have: the task's and the view's (E012).
+    assert output.count("django_dlock.E012") == 2, output
+    assert "shop.tasks.misspelt" in output and "'redlok'" in output, output
+    assert "shop.urls.page" in output and "'defualt'" in output, output
 
 
 @pytest.mark.parametrize("alias", ["celery", "locmem"])
@@ -662,6 +677,16 @@ def test_park_and_unpark_refuse_bad_input_before_the_backend(alias: str) -> None
             park(alias, "parked:bad", "task-1", order, "{}")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="payload"):
         park(alias, "parked:bad", "task-1", 1, b"{}")  # type: ignore[arg-type]
+    # A payload that could never be sent again (review of issue 30: one such
+    # entry took the free slot of its key on every look).
+    for payload in ("not json", "{}", "[]", '{"task": "t", "args": {}, "kwargs": {}}'):
+        with pytest.raises(ValueError, match="payload"):
+            park(alias, "parked:bad", "task-1", 1, payload)
+    # A key every backend can store: no NUL, at most 255 characters.
+    good = '{"task": "t", "args": [], "kwargs": {}}'
+    for key in ("task\x00-1", "k" * 256):
+        with pytest.raises(ValueError, match="key"):
+            park(alias, "parked:bad", key, 1, good)
     for count in (-1, 0, "3"):
         with pytest.raises(ValueError, match="count"):
             unpark(alias, "parked:bad", count)  # type: ignore[arg-type]

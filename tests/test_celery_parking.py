@@ -141,3 +141,28 @@ def test_a_parked_call_is_sent_again_with_its_reply_to_and_canvas(backend_alias:
         "root_id": "root-1",
         "parent_id": "parent-1",
     }
+
+
+@pytest.mark.backends("redis", "etcd", "db-postgresql", "locmem")
+def test_an_entry_that_can_never_be_sent_is_dropped_and_the_next_call_goes(
+    backend_alias: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review of issue 30: parked again at the head, it took the one free slot on every look.
+
+    Such an entry comes from a hand-made ``do_park`` or another version; the
+    public ``park()`` refuses it. It is dropped with an ERROR that names it,
+    and the call behind it is sent in the same look.
+    """
+    key = f"parked-{uuid.uuid4().hex[:8]}"
+    backend = locks[backend_alias]
+    for i, bad in enumerate(["this is not json", "{}", '{"task": "x", "args": 1, "kwargs": {}}']):
+        backend.do_park(key, f"bad-{i}", i, bad)
+    good = park_payload("tests.deferred", [1], {}, {}, 10, None)
+    backend.do_park(key, "good", 10, good)
+    app = Sent(backend_alias)
+    with caplog.at_level("ERROR", logger="django_dlock.celery"):
+        assert send_parked(app, backend_alias, key, 1) == 1
+    assert [c["task_id"] for c in app.calls] == ["good"]
+    dropped = [r.getMessage() for r in caplog.records if "Dropped" in r.getMessage()]
+    assert len(dropped) == 3 and all("cannot be sent" in m for m in dropped), dropped
+    assert backend.do_unpark(key, 10) == []

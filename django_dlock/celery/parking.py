@@ -47,6 +47,7 @@ __all__ = [
     "LOOK_AGAIN_AFTER",
     "ORDER_HEADER",
     "NoParking",
+    "call_of",
     "has_parking",
     "header",
     "look_for_parked",
@@ -97,9 +98,8 @@ def park(alias: str, name: str, key: str, order: int, payload: str) -> None:
     """
     if isinstance(order, bool) or not isinstance(order, int) or order not in ORDER_RANGE:
         raise ValueError(f"order must be an int of 64 bits, not {order!r}.")
-    if not isinstance(payload, str):
-        raise TypeError(f"payload must be a str, not {type(payload).__name__}.")
     name, key = validate_name(name), _checked_key(key)
+    call_of(payload)  # one that could never be sent again is refused here, not parked
     _parking(alias).do_park(name, key, order, payload)
 
 
@@ -115,10 +115,44 @@ def unpark_key(alias: str, name: str, key: str) -> bool:
     return _parking(alias).do_unpark_key(validate_name(name), _checked_key(key))
 
 
+#: The longest key of a parked call (a task id, with its retries and nesting).
+MAX_KEY_LENGTH = 255
+
+
 def _checked_key(key: object) -> str:
     if not isinstance(key, str) or not key:
         raise ValueError(f"A parked call's key must be a non-empty str, not {key!r}.")
-    return key
+    if len(key) > MAX_KEY_LENGTH:
+        raise ValueError(
+            f"A parked call's key must be at most {MAX_KEY_LENGTH} characters, not {len(key)}."
+        )
+    return validate_name(key, what="A parked call's key")
+
+
+def call_of(payload: object) -> dict[str, Any]:
+    """The call ``payload`` (:func:`park_payload`'s JSON) sends again; ValueError if none.
+
+    A JSON object with the task's name (a str), ``args`` (a list) and
+    ``kwargs`` (an object).
+    """
+    if not isinstance(payload, str):
+        raise TypeError(f"payload must be a str, not {type(payload).__name__}.")
+    try:
+        data = kombu_json.loads(payload)  # type: ignore[no-untyped-call]
+    except ValueError as e:
+        raise ValueError(f"A parked call's payload must be JSON: {e}") from None
+    if not (
+        isinstance(data, dict)
+        and isinstance(data.get("task"), str)
+        and data["task"]
+        and isinstance(data.get("args"), list)
+        and isinstance(data.get("kwargs"), dict)
+    ):
+        raise ValueError(
+            "A parked call's payload must be a JSON object with the task's name ('task'), "
+            f"'args' (a list) and 'kwargs' (an object), as park_payload() makes: {payload[:200]!r}"
+        )
+    return data
 
 
 #: ``order`` is stored as a signed 64-bit integer (a database column, a sorted-set score).
@@ -219,16 +253,41 @@ def drop_copies(alias: str, key: str, task_id: str, request: Any) -> bool:
 
 
 def send_parked(app: Any, alias: str, key: str, count: int) -> int:
-    """Pop up to ``count`` calls parked on ``key`` and send them again; return how many."""
-    try:
-        parked = unpark(alias, key, count)
-    except Exception:
-        logger.warning("Could not unpark the calls deferred on %r", key, exc_info=True)
-        return 0
-    sent = 0
-    for entry in parked:
+    """Pop up to ``count`` calls parked on ``key`` and send them again; return how many.
+
+    An entry that can never be sent (not :func:`park_payload`'s JSON: parked
+    by hand, or by another version) is dropped with an ERROR that shows it,
+    and the next one popped in its place: parked again at its place, it would
+    take every free slot's turn for good.
+    """
+    return _send(app, alias, key, _pop_sendable(alias, key, count))
+
+
+def _pop_sendable(alias: str, key: str, count: int) -> list[tuple[ParkedTask, dict[str, Any]]]:
+    """Up to ``count`` calls popped from ``key``'s queue, each with its decoded call."""
+    popped: list[tuple[ParkedTask, dict[str, Any]]] = []
+    while len(popped) < count:  # each round removes an entry, or ends
         try:
-            data = kombu_json.loads(entry.payload)  # type: ignore[no-untyped-call]
+            parked = unpark(alias, key, count - len(popped))
+        except Exception:
+            logger.warning("Could not unpark the calls deferred on %r", key, exc_info=True)
+            break
+        if not parked:
+            break
+        for entry in parked:
+            try:
+                popped.append((entry, call_of(entry.payload)))
+            except (TypeError, ValueError) as e:
+                logger.error(
+                    "Dropped the call %s parked on %r: it cannot be sent: %s", entry.key, key, e
+                )
+    return popped
+
+
+def _send(app: Any, alias: str, key: str, popped: list[tuple[ParkedTask, dict[str, Any]]]) -> int:
+    sent = 0
+    for entry, data in popped:
+        try:
             routing = {k: data[k] for k in ("exchange", "routing_key", "priority") if data.get(k)}
             routing.update({k: data[k] for k in KEPT if data.get(k) is not None})
             retries, nesting = data.get("delivery") or (0, 0)
