@@ -15,6 +15,8 @@ Ids are stable and never reused (docs/checks.md lists them):
   backend without semaphores.
 - ``django_dlock.E011``: a locked Celery task with ``on_locked="defer"`` on a
   backend without a parking queue.
+- ``django_dlock.E012``: a locked task, or a guarded view, on an alias that
+  ``DLOCK_BACKENDS`` does not have.
 - ``django_dlock.W001``: Redlock over an even number of masters.
 - ``django_dlock.W002``: a locked Celery task's lock TTL is shorter than the
   broker's ``visibility_timeout`` (registered by ``celery.py``).
@@ -89,10 +91,11 @@ def backend_messages() -> Iterator[tuple[str | None, checks.CheckMessage]]:
 def check_locked_tasks(
     app_configs: Iterable[AppConfig] | None = None, **kwargs: Any
 ) -> Iterator[checks.CheckMessage]:
-    """django_dlock.E010 and E011: a locked task that needs a part its lock backend lacks.
+    """django_dlock.E010, E011 and E012: a locked task its lock backend cannot serve.
 
-    ``limit`` needs semaphores (``supports_semaphores``), Celery's
-    ``on_locked="defer"`` a parking queue (``supports_parking``). Without
+    E012: its alias is not in ``DLOCK_BACKENDS`` (a typo). ``limit`` needs
+    semaphores (``supports_semaphores``), Celery's ``on_locked="defer"`` a
+    parking queue (``supports_parking``). Without
     them every call would fail in the worker; here they fail at startup.
     The tasks are those of the current Celery app (once Celery is imported:
     listing them imports the apps' ``tasks`` modules) and the task
@@ -113,7 +116,8 @@ def check_locked_tasks(
 def check_guarded_views(
     app_configs: Iterable[AppConfig] | None = None, **kwargs: Any
 ) -> Iterator[checks.CheckMessage]:
-    """django_dlock.E010 for a guarded view: ``limit`` on a backend without semaphores.
+    """django_dlock.E010 and E012 for a guarded view: ``limit`` on a backend without
+    semaphores, or an alias that ``DLOCK_BACKENDS`` does not have.
 
     The views are those defined by now; the URLconf is loaded first, as
     Django's own URL checks do, so that the project's views are.
@@ -121,13 +125,14 @@ def check_guarded_views(
     if getattr(settings, "ROOT_URLCONF", None):
         with contextlib.suppress(Exception):  # Django's URL checks report a broken URLconf
             get_resolver().url_patterns  # noqa: B018
-    from .views import views_with_limit
+    from .views import guarded_views
 
-    for view, alias, limit in views_with_limit():
-        try:
-            backend = locks[alias]
-        except Exception:
-            continue  # an unknown or broken alias: check_backends reports DLOCK_BACKENDS
+    for view, alias, limit in guarded_views():
+        backend, unknown = _backend_of(alias, f"Guarded view {view!r}", "request", view)
+        if unknown is not None:
+            yield unknown
+        if backend is None or limit is None:
+            continue
         if not backend.supports_semaphores:
             yield checks.Error(
                 f"Guarded view {view!r} has limit={limit}, but lock backend {alias!r} "
@@ -139,11 +144,37 @@ def check_guarded_views(
             )
 
 
-def _missing_parts(task: str, options: Any) -> Iterator[checks.CheckMessage]:
+def _backend_of(
+    alias: str, what: str, each: str, obj: str
+) -> tuple[Any, checks.CheckMessage | None]:
+    """The backend of ``alias``, or None, with an E012 if the alias is not configured.
+
+    A configured alias that cannot be built is ``check_backends``'s to report.
+    """
     try:
-        backend = locks[options.backend]
+        configured = validate_backends_setting(conf.backends_setting())
+    except LockConfigurationError:
+        return None, None  # check_backends reports DLOCK_BACKENDS
+    if alias not in configured:
+        return None, checks.Error(
+            f"{what} is locked on backend {alias!r}, which DLOCK_BACKENDS does not have "
+            f"(it has {sorted(configured)!r}): every {each} would fail.",
+            hint="Correct the alias, or add it to DLOCK_BACKENDS.",
+            obj=obj,
+            id="django_dlock.E012",
+        )
+    try:
+        return locks[alias], None
     except Exception:
-        return  # an unknown or broken alias: check_backends reports DLOCK_BACKENDS
+        return None, None  # a broken entry: check_backends reports it
+
+
+def _missing_parts(task: str, options: Any) -> Iterator[checks.CheckMessage]:
+    backend, unknown = _backend_of(options.backend, f"Locked task {task!r}", "call", task)
+    if unknown is not None:
+        yield unknown
+    if backend is None:
+        return
     where = f"lock backend {options.backend!r} ({backend.path})"
     if options.limit is not None and not backend.supports_semaphores:
         yield checks.Error(

@@ -266,41 +266,41 @@ def lock_view(
             async def async_view(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
                 return await guard.arun(request, kwargs, lambda: view(request, *args, **kwargs))
 
-            return _limited(cast(V, async_view))
+            return _registered(cast(V, async_view))
 
         @functools.wraps(view)
         def sync_view(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
             return guard.run(request, kwargs, lambda: view(request, *args, **kwargs))
 
-        return _limited(cast(V, sync_view))
+        return _registered(cast(V, sync_view))
 
-    def _limited(guarded: V) -> V:
-        if limit is not None:
-            _with_limit[guarded] = (backend, limit)
+    def _registered(guarded: V) -> V:
+        _guarded[guarded] = (backend, limit)
         return guarded
 
     return decorator
 
 
-#: The guarded views with a ``limit``: function views by their wrapper, the
-#: classes by themselves, held weakly. ``manage.py check`` reads them
-#: (``django_dlock.E010``: a limit on a backend without semaphores).
-_with_limit: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
-_limited_classes: weakref.WeakSet[type[LockRequiredMixin]] = weakref.WeakSet()
+#: The guarded views: function views (and ``as_view()`` with ``lock_*``
+#: options) by their wrapper, the classes by themselves, held weakly.
+#: ``manage.py check`` reads them (``django_dlock.E012``: an alias missing
+#: from ``DLOCK_BACKENDS``; ``E010``: a limit on a backend without semaphores).
+_guarded: weakref.WeakKeyDictionary[Any, tuple[str, int | None]] = weakref.WeakKeyDictionary()
+_guarded_classes: weakref.WeakSet[type[LockRequiredMixin]] = weakref.WeakSet()
 
 
-def views_with_limit() -> list[tuple[str, str, int]]:
-    """The guarded views defined so far that have a limit: (view, backend alias, limit)."""
+def guarded_views() -> list[tuple[str, str, int | None]]:
+    """The guarded views defined so far: (view, backend alias, limit or None)."""
     found = []
-    for view, (backend, limit) in list(_with_limit.items()):
+    for view, (backend, limit) in list(_guarded.items()):
         made = getattr(view, "view_class", view)  # as_view(): named by its class
         found.append((f"{made.__module__}.{made.__qualname__}", backend, limit))
-    for cls in list(_limited_classes):
-        if cls.lock_limit is not None:
+    for cls in list(_guarded_classes):
+        if cls.lock_key:
             found.append(
                 (f"{cls.__module__}.{cls.__qualname__}", cls.lock_backend, cls.lock_limit)
             )
-    return sorted(found)
+    return sorted(found, key=lambda v: (v[0], v[1], -1 if v[2] is None else v[2]))
 
 
 #: The options of a ``LockRequiredMixin`` view.
@@ -347,7 +347,7 @@ class LockRequiredMixin:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _limited_classes.add(cls)
+        _guarded_classes.add(cls)
         if cls.lock_key:  # a guarded view (not a base without a key): bad options raise here
             _guard_of(cls)
 
@@ -362,8 +362,7 @@ class LockRequiredMixin:
         if given:
             options = {name: getattr(cls, name) for name in _LOCK_OPTIONS} | given
             _guard_of(SimpleNamespace(**options))  # bad options raise where the view is made
-            if options["lock_limit"] is not None:
-                _with_limit[view] = (options["lock_backend"], options["lock_limit"])
+            _guarded[view] = (options["lock_backend"], options["lock_limit"])
         return view
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> Any:

@@ -230,6 +230,42 @@ def test_a_limit_on_a_backend_without_semaphores_is_a_check_error_at_startup() -
     assert not {str(obj) for obj in errors() if str(obj).startswith(prefix)}
 
 
+def test_a_view_on_an_alias_dlock_backends_lacks_is_a_check_error_at_startup() -> None:
+    """E012: review of issue 30 (a typo passed the checks, and every request was a 500)."""
+    import gc
+
+    from django.core import checks
+    from django.views import View
+
+    from django_dlock.views import LockRequiredMixin, lock_view
+
+    def errors() -> dict[str, str]:
+        return {str(m.obj): m.msg for m in checks.run_checks() if m.id == "django_dlock.E012"}
+
+    assert errors() == {}
+
+    @lock_view("typo-fn", backend="defualt")
+    def typo_fn(request: Any) -> HttpResponse:
+        return HttpResponse("ok")
+
+    class TypoView(LockRequiredMixin, View):
+        lock_key = "typo-cbv"
+        lock_backend = "redsi"
+
+    class Plain(LockRequiredMixin, View):
+        lock_key = "plain"
+
+    made = Plain.as_view(lock_backend="lcomem")
+    found = errors()
+    assert {obj.rsplit(".", 1)[-1] for obj in found} == {"typo_fn", "TypoView", "Plain"}
+    assert any("'defualt'" in m for m in found.values())
+    assert any("'redsi'" in m for m in found.values())
+    assert any("'lcomem'" in m for m in found.values())
+    del typo_fn, TypoView, Plain, made
+    gc.collect()
+    assert errors() == {}
+
+
 def test_a_class_based_view_s_bad_options_raise_where_it_is_defined_or_made() -> None:
     """As lock_view's do: LockRequiredMixin's options, and those given to as_view()."""
     import gc
