@@ -1,6 +1,7 @@
 """A worker process for the multi-process tests (test_multiprocess.py).
 
-Configures Django from DLOCK_MP_CONFIG (JSON), waits for the start file so all
+Configures Django from DLOCK_MP_CONFIG (JSON), writes its ready file, waits
+for the start file (the test writes it once every worker is ready) so all
 workers begin together, then runs critical sections that read-modify-write an
 unguarded counter file, and writes (counter value read, fencing token) pairs.
 """
@@ -35,6 +36,9 @@ def main() -> None:
         os.pwrite(counter_fd, str(value + 1).zfill(width).encode(), 0)
         return value
 
+    # Ready: the test starts every worker at once, however long the imports took.
+    with open(config["ready"], "w"):
+        pass
     while not os.path.exists(config["start"]):
         time.sleep(0.005)
     records: list[tuple[int, int | None]] = []

@@ -61,11 +61,20 @@ def run_workers(
             "name": "mp:counter",
             "limit": limit,
             "inside": str(tmp_path / "inside"),
+            "ready": str(tmp_path / f"ready-{i}"),
         }
         env = {**child_environment(), "DLOCK_MP_CONFIG": json.dumps(config)}
         command = [sys.executable, "-m", "django_dlock.testing.mp_worker"]
         workers.append(subprocess.Popen(command, env=env))
-    time.sleep(1.0)  # let every worker import Django and reach the start line
+    # Every worker at the start line (Django imported, the backend configured)
+    # before any begins: on a loaded machine the imports take seconds, and a
+    # worker that began early would run its sections alone.
+    deadline = time.monotonic() + 300
+    while not all((tmp_path / f"ready-{i}").exists() for i in range(processes)):
+        exited = [w.returncode for w in workers if w.poll() is not None]
+        assert not exited, f"a worker exited before the start: {exited}"
+        assert time.monotonic() < deadline, "the workers did not all get ready in 300 s"
+        time.sleep(0.01)
     start.touch()
     for worker in workers:
         assert worker.wait(timeout=600) == 0
