@@ -3,10 +3,10 @@
 Usage::
 
     python -m django_dlock.testing --backend dotted.path.Backend \
-        [--location LOCATION] [--options JSON] [pytest arguments...]
+        [--location LOCATION] [--options JSON] [--database JSON] [pytest arguments...]
 
-The three options fall back on ``DLOCK_TEST_BACKEND``, ``DLOCK_TEST_LOCATION``
-and ``DLOCK_TEST_OPTIONS``. The exit status is pytest's.
+The options fall back on ``DLOCK_TEST_BACKEND``, ``DLOCK_TEST_LOCATION``,
+``DLOCK_TEST_OPTIONS`` and ``DLOCK_TEST_DATABASE``. The exit status is pytest's.
 """
 
 from __future__ import annotations
@@ -50,17 +50,64 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=os.environ.get("DLOCK_TEST_OPTIONS"),
         help="its OPTIONS, as a JSON object (DLOCK_TEST_OPTIONS)",
     )
+    parser.add_argument(
+        "--database",
+        default=os.environ.get("DLOCK_TEST_DATABASE"),
+        help="Django's 'default' DATABASES entry, as a JSON object, for a backend that "
+        "keeps its leases in Django's database (DLOCK_TEST_DATABASE; else a SQLite file "
+        "in a temporary directory, and the tests get no database access)",
+    )
     args, rest = parser.parse_known_args(argv)
     if not args.backend:
         parser.error("the backend is missing: --backend dotted.path.Backend or DLOCK_TEST_BACKEND")
-    if args.options:
+    for option in ("options", "database"):
+        text = getattr(args, option)
+        if not text:
+            continue
         try:
-            options = json.loads(args.options)
+            value = json.loads(text)
         except ValueError as e:
-            parser.error(f"--options is not JSON: {e}")
-        if not isinstance(options, dict):
-            parser.error("--options must be a JSON object")
+            parser.error(f"--{option} is not JSON: {e}")
+        if not isinstance(value, dict):
+            parser.error(f"--{option} must be a JSON object")
+    if args.database and "ENGINE" not in json.loads(args.database):
+        parser.error("--database needs an ENGINE, as a DATABASES entry does")
+    if args.location and args.location.startswith("["):
+        try:
+            json.loads(args.location)
+        except ValueError as e:
+            parser.error(f"--location starts with '[' but is not a JSON list: {e}")
+    backend = _backend_class(parser, args.backend)
+    if getattr(backend, "uses_django_connections", False) and not args.database:
+        parser.error(
+            f"{args.backend} keeps its leases in Django's database: give that database "
+            'as --database \'{"ENGINE": ..., "NAME": ...}\' (or DLOCK_TEST_DATABASE)'
+        )
     return args, rest
+
+
+def _backend_class(parser: argparse.ArgumentParser, dotted: str) -> type:
+    """The class ``dotted`` names, or a usage error: before pytest, not in every test.
+
+    The current directory first, as the tests import it.
+    """
+    from django.utils.module_loading import import_string
+
+    from django_dlock.backends.base import BaseLockBackend
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        backend = import_string(dotted)
+    except ImportError as e:
+        parser.error(f"--backend {dotted!r} cannot be imported: {e}")
+    finally:
+        sys.path.remove(os.getcwd())
+    if not (isinstance(backend, type) and issubclass(backend, BaseLockBackend)):
+        parser.error(
+            f"--backend {dotted!r} is not a lock backend: it must be a subclass of "
+            "django_dlock.backends.base.BaseLockBackend"
+        )
+    return backend
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             "DLOCK_TEST_BACKEND": args.backend,
             "DLOCK_TEST_LOCATION": args.location or "",
             "DLOCK_TEST_OPTIONS": args.options or "",
+            "DLOCK_TEST_DATABASE": args.database or "",
             "DLOCK_TEST_TMP": tmp,
             "DJANGO_SETTINGS_MODULE": "django_dlock.testing.settings",
             # Hypothesis's cache in the run's directory, not in the current one.

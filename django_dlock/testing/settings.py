@@ -3,7 +3,10 @@
 ``DLOCK_TEST_BACKEND`` (a dotted class), ``DLOCK_TEST_LOCATION`` (a string,
 or JSON for a list) and ``DLOCK_TEST_OPTIONS`` (JSON) make the backend's
 ``DLOCK_BACKENDS`` entry, as ``"under_test"`` and as ``"default"``.
-``DLOCK_TEST_TMP`` is the directory of the SQLite database. The runner sets
+``DLOCK_TEST_DATABASE`` (JSON), if set, is the "default" ``DATABASES``
+entry, and the tests of the backend under test get access to it (a backend
+that keeps its leases in Django's database); else ``DLOCK_TEST_TMP`` is the
+directory of a SQLite database that only the tests that need one use. The runner sets
 them for its own process, its pytest-xdist workers and the processes the
 tests start; without ``DLOCK_TEST_BACKEND`` nothing is under test.
 """
@@ -24,8 +27,11 @@ INSTALLED_APPS = [
 ]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 _TMP = os.environ.get("DLOCK_TEST_TMP") or tempfile.gettempdir()
+_DATABASE = os.environ.get("DLOCK_TEST_DATABASE")
 DATABASES = {
-    "default": {
+    "default": json.loads(_DATABASE)
+    if _DATABASE
+    else {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": os.path.join(_TMP, "dlock.sqlite3"),
         "TEST": {"NAME": os.path.join(_TMP, "test_dlock.sqlite3")},
@@ -54,4 +60,6 @@ DLOCK_BACKENDS: dict[str, dict[str, Any]] = (
     {"default": _ENTRY, "under_test": _ENTRY} if _ENTRY else {}
 )
 #: alias -> the DATABASES alias its tests need (plugin.py): the backend under test needs none.
-CONFORMANCE_BACKENDS: dict[str, str | None] = {"under_test": None} if _ENTRY else {}
+CONFORMANCE_BACKENDS: dict[str, str | None] = (
+    {"under_test": "default" if _DATABASE else None} if _ENTRY else {}
+)
