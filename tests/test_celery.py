@@ -473,7 +473,6 @@ def test_a_parked_call_keeps_what_celerys_json_carries() -> None:
 
     from kombu.utils.json import loads
 
-
     args = (
         datetime.datetime(2026, 11, 23, 12, 0),
         uuid_module.UUID(int=7),
