@@ -39,9 +39,10 @@ XDIST_GROUPS = {
 }
 
 #: The tests on the session's etcd members run in this many groups: each
-#: worker that starts them keeps a 3-member cluster with 10 ms heartbeats
-#: busy (about 15% of a core), so two workers do, not all of them.
-ETCD_GROUPS = 2
+#: worker that starts them keeps a single member and a 3-member cluster with
+#: 10 ms heartbeats busy. One group: with two, etcd took 260 of the 1,330
+#: CPU-seconds of a 4-worker run (2026-11-28), on a machine of 2 cores.
+ETCD_GROUPS = 1
 
 _ETCD_PARAM = re.compile(r"\[etcd[-\]]")
 
