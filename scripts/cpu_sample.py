@@ -82,7 +82,9 @@ def main() -> int:
     by_label: collections.Counter[str] = collections.Counter()
     for name, first, last in seen.values():
         by_label[name] += (last - first) / HZ
-    print(f"\nwall {wall:.0f} s; machine busy {busy:.0f} CPU-s of {os.cpu_count() * wall:.0f}")
+    print(
+        f"\nwall {wall:.0f} s; machine busy {busy:.0f} CPU-s of {(os.cpu_count() or 1) * wall:.0f}"
+    )
     for name, seconds in by_label.most_common(15):
         if seconds < 0.1:
             break
