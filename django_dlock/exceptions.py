@@ -46,11 +46,14 @@ def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, A
 
 
 class _Picklable:
-    """Pickled with its attributes, whatever its ``__init__`` requires.
+    """Pickled with its attributes, whatever its ``__init__`` takes.
 
-    Celery sends a task's exception to the caller pickled: without this, an
-    error whose ``__init__`` takes required keywords (``LimitMismatch``)
-    cannot be rebuilt, and the caller gets a plain base class instead.
+    A Celery task's error reaches its caller through the result backend. With
+    the ``pickle`` result serializer it comes back whole (class, message and
+    attributes: this). With ``json`` (Celery's default) Celery rebuilds it as
+    ``cls(*args)``: the class and the message, every keyword at its default
+    (``name``, ``backend``, ``limit`` and ``held_limit`` None, ``transient``
+    True). So no error of the package requires a keyword argument.
     """
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -116,7 +119,13 @@ class LimitMismatch(DLockError, ValueError):
     """
 
     def __init__(
-        self, message: str, *, name: str, backend: str, limit: int, held_limit: int
+        self,
+        message: str,
+        *,
+        name: str | None = None,
+        backend: str | None = None,
+        limit: int | None = None,
+        held_limit: int | None = None,
     ) -> None:
         super().__init__(message, name=name, backend=backend)
         self.limit = limit

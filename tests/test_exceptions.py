@@ -45,6 +45,21 @@ def test_an_error_comes_back_whole_from_pickle(error: BaseException) -> None:
     assert vars(back) == vars(error)
 
 
+@pytest.mark.parametrize("error", every_error(), ids=lambda e: type(e).__name__)
+def test_an_error_comes_back_as_its_class_from_celerys_json(error: BaseException) -> None:
+    """Celery's json result serializer rebuilds an error as ``cls(*args)``: it must work.
+
+    Review of issue 30: ``LimitMismatch`` took required keywords, so a caller
+    got a plain ``Exception`` instead.
+    """
+    from celery import Celery
+    from celery.backends.base import BaseBackend
+
+    backend = BaseBackend(Celery(set_as_current=False), serializer="json")
+    back = backend.exception_to_python(backend.prepare_exception(error))
+    assert type(back) is type(error) and str(back) == str(error)
+
+
 def test_every_error_class_is_covered() -> None:
     """A new error class with its own required arguments must be added above."""
     classes = {type(e) for e in every_error()}
