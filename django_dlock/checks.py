@@ -15,8 +15,6 @@ Ids are stable and never reused (docs/checks.md lists them):
   backend without semaphores.
 - ``django_dlock.E011``: a locked Celery task with ``on_locked="defer"`` on a
   backend without a parking queue.
-- ``django_dlock.E012``: a locked task, or a guarded view, on an alias that
-  ``DLOCK_BACKENDS`` does not have.
 - ``django_dlock.W001``: Redlock over an even number of masters.
 - ``django_dlock.W002``: a locked Celery task's lock TTL is shorter than the
   broker's ``visibility_timeout`` (registered by ``celery.py``).
@@ -24,6 +22,8 @@ Ids are stable and never reused (docs/checks.md lists them):
 - ``django_dlock.W004``: a ``LockedSaveMixin`` model (or an inline of one) is
   in an admin whose ``ModelAdmin`` is not a ``LockedModelAdminMixin``: a held
   lock is a 500 there.
+- ``django_dlock.W005``: a locked task, a guarded view or a ``LockedSaveMixin``
+  model on an alias that ``DLOCK_BACKENDS`` does not have.
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ def backend_messages() -> Iterator[tuple[str | None, checks.CheckMessage]]:
 def check_locked_tasks(
     app_configs: Iterable[AppConfig] | None = None, **kwargs: Any
 ) -> Iterator[checks.CheckMessage]:
-    """django_dlock.E010, E011 and E012: a locked task its lock backend cannot serve.
+    """django_dlock.E010, E011 and W005: a locked task its lock backend cannot serve.
 
-    E012: its alias is not in ``DLOCK_BACKENDS`` (a typo). ``limit`` needs
+    W005: its alias is not in ``DLOCK_BACKENDS`` (a typo). ``limit`` needs
     semaphores (``supports_semaphores``), Celery's ``on_locked="defer"`` a
     parking queue (``supports_parking``). Without
     them every call would fail in the worker; here they fail at startup.
@@ -116,7 +116,7 @@ def check_locked_tasks(
 def check_guarded_views(
     app_configs: Iterable[AppConfig] | None = None, **kwargs: Any
 ) -> Iterator[checks.CheckMessage]:
-    """django_dlock.E010 and E012 for a guarded view: ``limit`` on a backend without
+    """django_dlock.E010 and W005 for a guarded view: ``limit`` on a backend without
     semaphores, or an alias that ``DLOCK_BACKENDS`` does not have.
 
     The views are those defined by now; the URLconf is loaded first, as
@@ -147,21 +147,24 @@ def check_guarded_views(
 def _backend_of(
     alias: str, what: str, each: str, obj: str
 ) -> tuple[Any, checks.CheckMessage | None]:
-    """The backend of ``alias``, or None, with an E012 if the alias is not configured.
+    """The backend of ``alias``, or None, with a W005 if the alias is not configured.
 
-    A configured alias that cannot be built is ``check_backends``'s to report.
+    A warning, not an error: tests may add the alias with ``override_settings``
+    to views and tasks their modules define, and ``manage.py test`` imports
+    those modules before it runs the checks. A configured alias that cannot
+    be built is ``check_backends``'s to report.
     """
     try:
         configured = validate_backends_setting(conf.backends_setting())
     except LockConfigurationError:
         return None, None  # check_backends reports DLOCK_BACKENDS
     if alias not in configured:
-        return None, checks.Error(
+        return None, checks.Warning(
             f"{what} is locked on backend {alias!r}, which DLOCK_BACKENDS does not have "
             f"(it has {sorted(configured)!r}): every {each} would fail.",
             hint="Correct the alias, or add it to DLOCK_BACKENDS.",
             obj=obj,
-            id="django_dlock.E012",
+            id="django_dlock.W005",
         )
     try:
         return locks[alias], None
@@ -216,6 +219,23 @@ def check_metrics_token(
             hint="Unset it to serve the metrics to logged-in users with view_lock only.",
             id="django_dlock.E009",
         )
+
+
+@checks.register(checks.Tags.models)
+def check_locked_models(
+    app_configs: Iterable[AppConfig] | None = None, **kwargs: Any
+) -> Iterator[checks.CheckMessage]:
+    """django_dlock.W005 for a ``LockedSaveMixin`` model on an alias that is not configured."""
+    labels = None if app_configs is None else {config.label for config in app_configs}
+    for model in apps.get_models():
+        if not issubclass(model, LockedSaveMixin):
+            continue
+        if labels is not None and model._meta.app_label not in labels:
+            continue
+        what = f"LockedSaveMixin model {model._meta.label}"
+        _, unknown = _backend_of(model.lock_backend, what, "save or delete", model._meta.label)
+        if unknown is not None:
+            yield unknown
 
 
 @checks.register(checks.Tags.admin)

@@ -283,7 +283,7 @@ def lock_view(
 
 #: The guarded views: function views (and ``as_view()`` with ``lock_*``
 #: options) by their wrapper, the classes by themselves, held weakly.
-#: ``manage.py check`` reads them (``django_dlock.E012``: an alias missing
+#: ``manage.py check`` reads them (``django_dlock.W005``: an alias missing
 #: from ``DLOCK_BACKENDS``; ``E010``: a limit on a backend without semaphores).
 _guarded: weakref.WeakKeyDictionary[Any, tuple[str, int | None]] = weakref.WeakKeyDictionary()
 _guarded_classes: weakref.WeakSet[type[LockRequiredMixin]] = weakref.WeakSet()

@@ -617,6 +617,12 @@ _PROJECT = {
         "@locked_task(backend='redlok')\n"
         "def misspelt(x): return x\n"
     ),
+    "shop/models.py": (
+        "from django.db import models\n"
+        "from django_dlock.saves import LockedSaveMixin\n"
+        "class Invoice(LockedSaveMixin, models.Model):\n"
+        "    lock_backend = 'defualt'\n"
+    ),
     "shop/urls.py": (
         "from django.http import HttpResponse\n"
         "from django.urls import path\n"
@@ -629,7 +635,7 @@ _PROJECT = {
 
 
 def test_the_part_checks_see_the_tasks_celery_autodiscovers(tmp_path: Path) -> None:
-    """E010/E011/E012 in ``manage.py check`` for tasks only autodiscovery imports.
+    """E010/E011/W005 in ``manage.py check`` for tasks only autodiscovery imports.
 
     Nothing imports ``shop.tasks`` but Celery's autodiscovery, which a worker
     triggers when it starts and ``manage.py check`` did not: the checks said
@@ -658,8 +664,9 @@ def test_the_part_checks_see_the_tasks_celery_autodiscovers(tmp_path: Path) -> N
     assert output.count("django_dlock.E010") == 2, output  # limit=2 and lock={'limit': 3}
     assert output.count("django_dlock.E011") == 1, output
     assert "shop.tasks.limited" in output and "shop.tasks.deferred" in output
-    # An alias DLOCK_BACKENDS does not have: the task's and the view's (E012).
-    assert output.count("django_dlock.E012") == 2, output
+    # An alias DLOCK_BACKENDS does not have: the task's, the view's and the model's (W005).
+    assert output.count("django_dlock.W005") == 3, output
+    assert "shop.Invoice" in output, output
     assert "shop.tasks.misspelt" in output and "'redlok'" in output, output
     assert "shop.urls.page" in output and "'defualt'" in output, output
 
