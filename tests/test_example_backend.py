@@ -139,3 +139,20 @@ def test_the_runner_refuses_bad_arguments_before_any_test(
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert message in run.stderr, run.stderr
     assert "passed" not in run.stdout and "Traceback" not in run.stderr
+
+
+@pytest.mark.multiprocess
+def test_with_a_sqlite_database_the_processes_share_its_test_database(tmp_path: Path) -> None:
+    """Second review of issue 30: Django's default SQLite test database is in memory.
+
+    The multi-process test's workers could not open it ("no such table").
+    """
+    database = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(tmp_path / "db.sqlite3")}
+    run_the_suite(
+        [
+            "--backend", "django_dlock.backends.database.DatabaseBackend",
+            "--database", json.dumps(database),
+            "-k", "test_eight_processes_lose_no_updates",
+        ],
+        at_least=1,
+    )  # fmt: skip

@@ -28,8 +28,25 @@ INSTALLED_APPS = [
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 _TMP = os.environ.get("DLOCK_TEST_TMP") or tempfile.gettempdir()
 _DATABASE = os.environ.get("DLOCK_TEST_DATABASE")
+
+
+def given_database(text: str) -> dict[str, Any]:
+    """The ``DATABASES`` entry given as ``--database``.
+
+    On SQLite, its test database is a file unless the entry names one:
+    Django's default, a shared in-memory database, cannot be opened by the
+    processes the multi-process tests start.
+    """
+    entry: dict[str, Any] = json.loads(text)
+    if entry.get("ENGINE", "").endswith("sqlite3"):
+        test = dict(entry.get("TEST") or {})
+        test.setdefault("NAME", os.path.join(_TMP, "test_under_test.sqlite3"))
+        entry["TEST"] = test
+    return entry
+
+
 DATABASES = {
-    "default": json.loads(_DATABASE)
+    "default": given_database(_DATABASE)
     if _DATABASE
     else {
         "ENGINE": "django.db.backends.sqlite3",
