@@ -483,3 +483,32 @@ def test_sqlite_a_slot_released_inside_atomic_after_a_write_keeps_the_work(name:
         time.sleep(0.05)
     with semaphore(name, limit=1, backend="db-sqlite", timeout=0):
         pass
+
+
+@pytest.mark.backends("db-mysql")
+@pytest.mark.with_default_db  # Django sets up test databases with "default" among them
+def test_a_string_a_utf8mb3_table_cannot_hold_is_not_retried_as_an_outage(
+    backend_alias: str,
+) -> None:
+    """Second review of issue 30: a name with a 4-byte character on a utf8mb3 database.
+
+    MariaDB refuses it with error 1366 every time; the backend took it for an
+    outage and retried until the timeout (with none, for ever). The error is
+    the server's own, from a utf8mb3 column made for the test.
+    """
+    from django.db import DatabaseError
+
+    backend = locks[backend_alias]
+    connection = connections["mysql"]
+    with connection.cursor() as cursor:
+        cursor.execute("SET SESSION sql_mode = 'STRICT_ALL_TABLES'")
+        cursor.execute("CREATE TEMPORARY TABLE dlock_mb3 (name VARCHAR(20) CHARACTER SET utf8mb3)")
+        try:
+            with pytest.raises(DatabaseError) as raised:
+                cursor.execute("INSERT INTO dlock_mb3 VALUES (%s)", ["invoice:\U0001f512"])
+        finally:
+            cursor.execute("DROP TEMPORARY TABLE dlock_mb3")
+    assert raised.value.args[0] == 1366, raised.value.args
+    error = backend._unavailable(connection, "invoice:\U0001f512", raised.value)
+    assert error.transient is False
+    assert "utf8mb4" in str(error)

@@ -46,8 +46,9 @@ _MYSQL_RETRYABLE = {1213, 1205}
 
 # What no retry fixes (see BackendUnavailable.transient). MySQL/MariaDB codes:
 # access denied to a database / for a user, unknown database, command or column
-# denied, no such table, missing privilege, socket auth refused.
-_MYSQL_REFUSED = {1044, 1045, 1049, 1142, 1143, 1146, 1227, 1698}
+# denied, no such table, missing privilege, a string the column's character set
+# cannot hold (a name with a 4-byte character in a utf8mb3 table), socket auth refused.
+_MYSQL_REFUSED = {1044, 1045, 1049, 1142, 1143, 1146, 1227, _MYSQL_BAD_STRING := 1366, 1698}
 # PostgreSQL SQLSTATE classes: 28 invalid authorization, 3D no such database,
 # 42 access rule violation (permission denied, no such table).
 _PG_REFUSED = ("28", "3D", "42")
@@ -241,6 +242,11 @@ class DatabaseBackend(BoundLeases, DatabaseSlots, BaseLockBackend):
         what = f" for lock {name!r}" if name else ""
         message = f"Database {self.database!r} failed{what}: {error}"
         transient = _transient(error)
+        if error.args and error.args[0] == _MYSQL_BAD_STRING:
+            message += (
+                ". Its tables' character set cannot store every name: convert them to"
+                " utf8mb4 (docs/backends/database.md)."
+            )
         try:
             with connection.cursor() as cursor:
                 tables = connection.introspection.table_names(cursor)
