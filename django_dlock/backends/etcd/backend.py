@@ -53,9 +53,18 @@ from .transport import (
 _backends: weakref.WeakSet[EtcdBackend] = weakref.WeakSet()
 
 
+#: In a forked child: the parent's sessions and channels, kept and never used.
+#: Dropped, their gRPC objects would be freed in the child, and freeing them
+#: runs gRPC code on locks that the parent's gRPC threads (which the child
+#: does not have) may have held at the fork.
+_inherited: list[Any] = []
+
+
 def _reset_after_fork() -> None:
     # The parent's sessions, channels and acquisitions are the parent's.
     for backend in list(_backends):
+        if backend._state is not None:
+            _inherited.append(backend._state)
         backend._state = None
 
 
