@@ -47,13 +47,25 @@ ETCD_GROUPS = 1
 _ETCD_PARAM = re.compile(r"\[etcd[-\]]")
 
 
+def forks(nodeid: str) -> bool:
+    """Whether the test ``nodeid`` forks its process (each such test says so in its name).
+
+    A child forked while gRPC's threads (an etcd client's) are busy may die
+    in gRPC's code: these tests run in the etcd group, before any etcd test
+    of their worker, so that their process has no gRPC thread yet.
+    """
+    rest = nodeid.partition("::")[2]
+    # The database aliases' keep pytest-django's order (transactional tests last).
+    return "fork" in rest and "[db-" not in rest
+
+
 def xdist_group(nodeid: str) -> str | None:
     """The group of the test ``nodeid`` runs in, or None: on any worker."""
     path, _, rest = nodeid.partition("::")
     group = XDIST_GROUPS.get(path.rsplit("/", 1)[-1])
     if group is not None:
         return group
-    if path.endswith("/test_etcd.py") or _ETCD_PARAM.search(rest):
+    if forks(nodeid) or path.endswith("/test_etcd.py") or _ETCD_PARAM.search(rest):
         # crc32, not hash(): the same group in every process.
         return f"etcd-{zlib.crc32(nodeid.encode()) % ETCD_GROUPS}"
     return None
@@ -86,14 +98,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     the others keep pytest-django's order (transactional tests last).
     """
 
-    def rank(item: pytest.Item) -> int:
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        # The tests that fork before every other (the etcd ones last among
+        # them): their group's worker has started no gRPC thread yet.
+        first = 0 if forks(item.nodeid) and not _is_etcd(item) else 1
         if item.get_closest_marker("django_db") is not None:
-            return 2
+            return 2, 1
         if xdist_group(item.nodeid) is not None:
-            return 0
-        return 1 if item.get_closest_marker("multiprocess") is not None else 2
+            return 0, first
+        return (1 if item.get_closest_marker("multiprocess") is not None else 2), first
 
     items.sort(key=rank)
+
+
+def _is_etcd(item: pytest.Item) -> bool:
+    path, _, rest = item.nodeid.partition("::")
+    return path.endswith("/test_etcd.py") or _ETCD_PARAM.search(rest) is not None
 
 
 @pytest.fixture(scope="session")
