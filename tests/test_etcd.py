@@ -8,7 +8,6 @@ Every test talks to real etcd members that the tests start (tests/servers.py).
 from __future__ import annotations
 
 import base64
-import contextlib
 import itertools
 import json
 import os
@@ -397,12 +396,19 @@ def test_exit_revokes_the_session(single: EtcdServer, name: str) -> None:
 def test_forked_child_has_its_own_session(
     single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
 ) -> None:
+    from django_dlock.backends.etcd import backend as module
+
     backend = make_backend(single.endpoint)
     held = backend.acquire(name)
+    parents = backend._state
     pid = os.fork()
     if pid == 0:  # the child: the parent's lock is not the child's
         code = 1
         try:
+            # The parent's sessions and channels are kept, unused: freed, they
+            # would run gRPC code in the child (docs/backends/etcd.md, "Fork").
+            if backend._state is not None or not any(s is parents for s in module._inherited):
+                os._exit(3)
             try:
                 backend.acquire(name, timeout=0)
             except LockTimeout:
@@ -1128,55 +1134,3 @@ def test_replies_coming_back_out_of_order_are_not_taken_for_lost_data(
         name, "kv", "DeleteRange", rpc.DeleteRangeRequest(key=prefix, range_end=prefix[:-1] + b"0")
     )
     assert not state.epochs.suspect
-
-
-@pytest.mark.multiprocess
-def test_a_child_forked_while_grpc_is_busy_does_not_crash(
-    single: EtcdServer, name: str, make_backend: Callable[..., EtcdBackend]
-) -> None:
-    """A child forked while the parent's gRPC threads are busy does not crash.
-
-    A clean CI run (2026-11-28) lost a forked child to SIGSEGV in gRPC's
-    mutex code, in a test that does not use etcd, on the worker that had run
-    the etcd tests. The child freed the parent's sessions and channels
-    (``_state = None``), which runs gRPC code on locks the parent's gRPC
-    threads may have held; it now keeps them, unused. This test did not
-    reproduce the crash here before that change: it guards the behaviour.
-    """
-    import gc
-
-    backend = make_backend(single.endpoint)
-    held = backend.acquire(name, ttl=30)
-    waiters = []
-    stop = threading.Event()
-
-    def wait() -> None:  # a waiter blocked in gRPC (its watch) while we fork
-        while not stop.is_set():
-            with contextlib.suppress(LockTimeout):
-                backend.acquire(name, timeout=0.5).release()
-
-    for _ in range(2):
-        waiters.append(threading.Thread(target=wait, daemon=True))
-        waiters[-1].start()
-    statuses = []
-    try:
-        deadline = time.monotonic() + 20
-        while len(statuses) < 100 and time.monotonic() < deadline:
-            pid = os.fork()
-            if pid == 0:  # the child: drop what it can, collect, and leave
-                code = 1
-                try:
-                    gc.collect()
-                    code = 0
-                finally:
-                    os._exit(code)
-            _, status = os.waitpid(pid, 0)
-            statuses.append(status)
-            time.sleep(0.005)
-    finally:
-        stop.set()
-        for waiter in waiters:
-            waiter.join(timeout=10)
-        held.release()
-    assert len(statuses) >= 10, statuses
-    assert [os.waitstatus_to_exitcode(s) for s in statuses] == [0] * len(statuses)
