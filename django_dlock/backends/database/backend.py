@@ -44,11 +44,13 @@ BUSY_RETRIES = 6
 # MySQL error codes for a lost race between transactions: deadlock, lock wait timeout.
 _MYSQL_RETRYABLE = {1213, 1205}
 
+# MySQL/MariaDB: a string the column's character set cannot hold (a name with a
+# 4-byte character in a utf8mb3 table).
+_MYSQL_BAD_STRING = 1366
 # What no retry fixes (see BackendUnavailable.transient). MySQL/MariaDB codes:
 # access denied to a database / for a user, unknown database, command or column
-# denied, no such table, missing privilege, a string the column's character set
-# cannot hold (a name with a 4-byte character in a utf8mb3 table), socket auth refused.
-_MYSQL_REFUSED = {1044, 1045, 1049, 1142, 1143, 1146, 1227, _MYSQL_BAD_STRING := 1366, 1698}
+# denied, no such table, missing privilege, socket auth refused; and a bad string.
+_MYSQL_REFUSED = {1044, 1045, 1049, 1142, 1143, 1146, 1227, 1698, _MYSQL_BAD_STRING}
 # PostgreSQL SQLSTATE classes: 28 invalid authorization, 3D no such database,
 # 42 access rule violation (permission denied, no such table).
 _PG_REFUSED = ("28", "3D", "42")
