@@ -60,17 +60,18 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args, rest = parser.parse_known_args(argv)
     if not args.backend:
         parser.error("the backend is missing: --backend dotted.path.Backend or DLOCK_TEST_BACKEND")
+    parsed: dict[str, dict[str, object]] = {}
     for option in ("options", "database"):
         text = getattr(args, option)
         if not text:
             continue
         try:
-            value = json.loads(text)
+            parsed[option] = json.loads(text)
         except ValueError as e:
             parser.error(f"--{option} is not JSON: {e}")
-        if not isinstance(value, dict):
+        if not isinstance(parsed[option], dict):
             parser.error(f"--{option} must be a JSON object")
-    if args.database and "ENGINE" not in json.loads(args.database):
+    if "database" in parsed and "ENGINE" not in parsed["database"]:
         parser.error("--database needs an ENGINE, as a DATABASES entry does")
     if args.location and args.location.startswith("["):
         try:
@@ -91,23 +92,21 @@ def _backend_class(parser: argparse.ArgumentParser, dotted: str) -> type:
 
     The current directory first, as the tests import it.
     """
-    from django.utils.module_loading import import_string
-
-    from django_dlock.backends.base import BaseLockBackend
+    from django_dlock.exceptions import InvalidBackendError
+    from django_dlock.handler import backend_class
 
     sys.path.insert(0, os.getcwd())
     try:
-        backend = import_string(dotted)
-    except ImportError as e:
-        parser.error(f"--backend {dotted!r} cannot be imported: {e}")
+        return backend_class("under_test", {"BACKEND": dotted})
+    except InvalidBackendError as e:
+        why = (
+            "cannot be imported"
+            if isinstance(e.__cause__, ImportError)
+            else "is not a lock backend"
+        )
+        parser.error(f"--backend {dotted!r} {why}: {e}")
     finally:
         sys.path.remove(os.getcwd())
-    if not (isinstance(backend, type) and issubclass(backend, BaseLockBackend)):
-        parser.error(
-            f"--backend {dotted!r} is not a lock backend: it must be a subclass of "
-            "django_dlock.backends.base.BaseLockBackend"
-        )
-    return backend
 
 
 def main(argv: list[str] | None = None) -> int:
