@@ -117,6 +117,53 @@ def _screenshot(page: Any, tmp_path: Path, name: str) -> Path:
     return path
 
 
+def _log_in(page: Any, url: str) -> None:
+    page.goto(f"{url}/admin/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    page.get_by_role("link", name="Locks", exact=True).click()
+
+
+def _shown(page: Any, selector: str) -> bool:
+    """Whether the element is what the page shows at its centre: not scrolled out of its
+    box nor covered (a button past a table's horizontal scrollbar is not)."""
+    return bool(
+        page.evaluate(
+            """(selector) => {
+                const el = document.querySelector(selector);
+                const box = el.getBoundingClientRect();
+                const x = box.left + box.width / 2, y = box.top + box.height / 2;
+                if (x < 0 || x > window.innerWidth) return false;
+                const results = el.closest(".results").getBoundingClientRect();
+                if (box.left < results.left || box.right > results.right) return false;
+                return document.elementFromPoint(x, y) === el;
+            }""",
+            selector,
+        )
+    )
+
+
+def test_the_break_button_is_in_view_at_1280_px_with_the_nav_sidebar_open(
+    site: dict[str, Any], holder: Any, tmp_path: Path
+) -> None:
+    """A long holder (a task's name and id) made the table wider than the page: the Break
+    button sat behind the table's horizontal scrollbar, out of view."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            _log_in(page, site["url"])
+            expect(page.locator("#nav-sidebar")).to_be_visible()
+            button = 'tr.lock[data-name="sync:account:7"] td.field-break input.button'
+            _screenshot(page, tmp_path, "admin-locks-1280.png")
+            assert _shown(page, button)
+        finally:
+            browser.close()
+
+
 def test_break_a_lock_held_by_another_process_in_the_browser(
     site: dict[str, Any], holder: Any, tmp_path: Path
 ) -> None:
@@ -127,11 +174,7 @@ def test_break_a_lock_held_by_another_process_in_the_browser(
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1600, "height": 560})
-            page.goto(f"{site['url']}/admin/")
-            page.fill("#id_username", "admin")
-            page.fill("#id_password", PASSWORD)
-            page.click("input[type=submit]")
-            page.get_by_role("link", name="Locks", exact=True).click()
+            _log_in(page, site["url"])
             expect(page.locator("#content h1")).to_have_text("Locks")
 
             row = page.locator('tr.lock[data-name="report:daily"]')
