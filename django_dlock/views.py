@@ -37,6 +37,7 @@ from django.http import HttpRequest, HttpResponse
 
 from . import conf, holders, keys
 from ._validation import validate_name
+from .backends.types import LockInfo
 from .exceptions import LockTimeout
 from .handler import locks
 from .held import HeldLock
@@ -83,7 +84,7 @@ def locked_response(
     """
     if limit is None:
         found = holders.find_holders(name, backend).holders
-        what = "locked by another request"
+        what = _held_by(found)
     else:
         semaphore = locks[backend].semaphore(name)
         found = list(semaphore.holders) if semaphore is not None else []
@@ -97,6 +98,17 @@ def locked_response(
     )
     response["Retry-After"] = str(retry_after)
     return response
+
+
+def _held_by(found: list[LockInfo]) -> str:
+    """Who holds a guarded view's lock, as a client may be told: a task, or not.
+
+    Not the task's name or id: those are the project's internals.
+    """
+    holder = found[0].holder if found else {}
+    if holder.get("task_name"):
+        return "locked by a background task"
+    return "locked by another request or process"
 
 
 class _Guard:

@@ -59,6 +59,25 @@ def test_a_request_that_finds_the_lock_held_gets_423(
     assert third.status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("holder", "said"),
+    [
+        (
+            {"task_name": "invoices.tasks.regenerate", "task_id": "abc"},
+            "locked by a background task",
+        ),
+        ({"note": "by hand"}, "locked by another request or process"),
+    ],
+    ids=["task", "other"],
+)
+def test_the_423_body_says_whether_a_task_holds_it(holder: dict[str, str], said: str) -> None:
+    """A task holding the key is not "another request"; its name and id stay private."""
+    with lock("order:8", backend="locmem", ttl=7, metadata=holder):
+        body = Client().get("/409/order/8/").content.decode()
+    assert f"'order:8' is {said}; retry after" in body
+    assert "invoices" not in body and "abc" not in body
+
+
 def test_the_status_can_be_409_and_requests_for_other_keys_pass() -> None:
     with lock("order:5", backend="locmem", ttl=7):
         response = Client().get("/409/order/5/")
