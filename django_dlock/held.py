@@ -499,19 +499,42 @@ class HeldLock(LeaseAccounting):
             backend=self.alias,
         )
 
-    def release_quietly(self) -> None:
-        """:meth:`release`, logging instead of raising an error (for cleanup paths)."""
+    def release_quietly(self) -> bool:
+        """:meth:`release`, logging instead of raising an error (for cleanup paths).
+
+        True if the lease was held to the end and is released (or was
+        already). A lease found lost is logged at INFO, without a traceback:
+        its loss was logged as a WARNING, and ``lock_lost`` sent, when it was
+        found (:attr:`lost_reason` says how). A release the lock service did
+        not answer is a WARNING: the lease runs out after its TTL. Anything
+        else is an ERROR with its traceback.
+        """
         try:
             self.release()
-        except Exception:
-            logger.exception("Could not release lock %r on %r", self.name, self.alias)
+        except Exception as e:
+            self._release_failed(e)
+            return False
+        return True
 
-    async def arelease_quietly(self) -> None:
+    async def arelease_quietly(self) -> bool:
         """:meth:`release_quietly`, awaited."""
         try:
             await self.arelease()
-        except Exception:
-            logger.exception("Could not release lock %r on %r", self.name, self.alias)
+        except Exception as e:
+            self._release_failed(e)
+            return False
+        return True
+
+    def _release_failed(self, error: Exception) -> None:
+        if isinstance(error, LockLost):
+            logger.info("%s", error)
+        elif isinstance(error, BackendUnavailable):
+            logger.warning(
+                "Could not release lock %r on %r; it runs out after its TTL: %s",
+                self.name, self.alias, error,
+            )  # fmt: skip
+        else:
+            logger.error("Could not release lock %r on %r", self.name, self.alias, exc_info=error)
 
 
 #: Releases whose caller was cancelled, kept referenced until they are done.

@@ -69,7 +69,7 @@ class Renewer:
         self.alias = alias
         self._watchdog = watchdog
         self._cond = threading.Condition(threading.Lock())
-        self._work: deque[Callable[[], None]] = deque()
+        self._work: deque[Callable[[], object]] = deque()
         # Only the watchdog thread adds here; flush() moves them to _queue.
         self._added: list[tuple[HeldLock, float]] = []
         # (lease ends, seq, handle, renewal due): a heap, earliest end first.
@@ -99,7 +99,7 @@ class Renewer:
             _close_thread_connections,
         )
 
-    def submit(self, work: Callable[[], None]) -> None:
+    def submit(self, work: Callable[[], object]) -> None:
         """Run ``work`` on this thread (one-off calls to the service: a delayed release)."""
         with self._cond:
             self._work.append(work)

@@ -73,6 +73,7 @@ from .held import HeldLock
 from .keys import KeyTemplate
 from .task_policy import (
     PolicyMixin,
+    Skipped,
     TaskLockOptions,
     TaskPolicy,
     caller_template,
@@ -212,7 +213,8 @@ class LockedTask(Task, PolicyMixin):  # type: ignore[type-arg,unused-ignore]
             return Task.call(self, *args, **kwargs)
         finally:
             _running.reset(token)
-            held.release_quietly()
+            if not held.release_quietly() and held.lost_reason is not None:
+                self.policy.lost_while_running(held, self._task_id(args))
 
     async def acall(self, *args: Any, **kwargs: Any) -> Any:
         """:meth:`call`, awaited.
@@ -241,7 +243,8 @@ class LockedTask(Task, PolicyMixin):  # type: ignore[type-arg,unused-ignore]
             return await Task.acall(self, *args, **kwargs)
         finally:
             _running.reset(token)
-            await held.arelease_quietly()
+            if not await held.arelease_quietly() and held.lost_reason is not None:
+                self.policy.lost_while_running(held, self._task_id(args))
 
     def _enter(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HeldLock | None:
         """The run's lease: the queue lease its ticket hands over, or a new one (None: skip).
@@ -259,9 +262,10 @@ class LockedTask(Task, PolicyMixin):  # type: ignore[type-arg,unused-ignore]
         elif ticket is not None:
             logger.warning("Ignoring a lock ticket given to %s (run scope).", self.module_path)
         if held is None:
-            held = self._acquire(
+            acquired = self._acquire(
                 key, self.lock_options.ttl, True, self._task_id(args), call_args, kwargs
             )
+            held = None if isinstance(acquired, Skipped) else acquired
         return held
 
     def _task_id(self, args: tuple[Any, ...]) -> str | None:
@@ -276,12 +280,9 @@ class LockedTask(Task, PolicyMixin):  # type: ignore[type-arg,unused-ignore]
 
     def _acquire(
         self, key: str, ttl: float | None, renew: bool, task_id: str | None, args: Any, kwargs: Any
-    ) -> HeldLock | None:
-        """Acquire for a run (``renew``) or an enqueue, else do what ``on_locked`` says.
-
-        None: the call is skipped.
-        """
-        return self.policy.acquire(
+    ) -> HeldLock | Skipped:
+        """Acquire for a run (``renew``) or an enqueue, else do what ``on_locked`` says."""
+        acquired = self.policy.acquire(
             key,
             ttl=ttl,
             renew=renew,
@@ -290,11 +291,19 @@ class LockedTask(Task, PolicyMixin):  # type: ignore[type-arg,unused-ignore]
             args=args,
             kwargs=kwargs,
         )
+        assert acquired is not None  # no refused(): "skip" or a lease, else LockTimeout
+        return acquired
 
     # --- enqueueing -------------------------------------------------------------------
 
     def enqueue(self, *args: Any, **kwargs: Any) -> Any:
-        """The framework's ``enqueue()``; in queue scope, take the lock first (None: skipped)."""
+        """The framework's ``enqueue()``; in queue scope, take the lock first.
+
+        A call whose key is held is not enqueued: ``on_locked="skip"`` returns
+        None. (Not the holder's ``TaskResult``, as Celery's adapter returns
+        the holder's ``AsyncResult``: the lease is taken before the framework
+        gives the task its id, so the holder metadata has none.)
+        """
         if TICKET_KWARG in kwargs:
             raise TypeError(f"{TICKET_KWARG!r} is reserved for the lock's ticket.")
         if self.lock_options.scope != "queue":
@@ -308,10 +317,10 @@ class LockedTask(Task, PolicyMixin):  # type: ignore[type-arg,unused-ignore]
         # The lease covers the wait in the queue, and the wait until run_after.
         ttl = (self.lock_options.ttl or backend.default_ttl) + _delay(self.run_after)
         # Not renewed: if the call never runs, the lease must run out.
-        held = self._acquire(key, ttl, False, None, args, kwargs)
-        if held is None:
+        acquired = self._acquire(key, ttl, False, None, args, kwargs)
+        if isinstance(acquired, Skipped):
             return None
-        ticket = held.detach()
+        ticket = acquired.detach()
         try:
             result = Task.enqueue(self, *args, **kwargs, **{TICKET_KWARG: ticket})
         except BaseException:

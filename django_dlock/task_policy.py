@@ -298,12 +298,13 @@ class TaskPolicy:
         args: Any,
         kwargs: Any,
         refused: Callable[[LockTimeout], HeldLock | None] | None = None,
-    ) -> HeldLock | None:
+    ) -> HeldLock | Skipped | None:
         """Acquire for a run (``renew``) or a message, else do what ``on_locked`` says.
 
         ``"raise"`` and ``"wait"`` raise ``LockTimeout``; ``"skip"``
-        (:meth:`skipped`) returns None; any other value is the adapter's:
-        ``refused`` is called with the ``LockTimeout`` and its answer returned.
+        (:meth:`skipped`) returns :class:`Skipped`; any other value is the
+        adapter's: ``refused`` is called with the ``LockTimeout`` and its
+        answer returned.
         """
         on_locked = self.options.on_locked
         try:
@@ -320,10 +321,11 @@ class TaskPolicy:
                 if refused is None or on_locked in ("wait", "raise"):
                     raise
                 return refused(e)
-        self.skipped(key, task_id, "run" if renew else "queue", args, kwargs)
-        return None
+        return self.skipped(key, task_id, "run" if renew else "queue", args, kwargs)
 
-    def skipped(self, key: str, task_id: str | None, scope: str, args: Any, kwargs: Any) -> None:
+    def skipped(
+        self, key: str, task_id: str | None, scope: str, args: Any, kwargs: Any
+    ) -> Skipped:
         """Log a call skipped because ``key`` is held, and send ``task_skipped``."""
         alias = self.options.backend
         holder = skipped_by(alias, key, self.options.limit, self.logger)
@@ -334,6 +336,22 @@ class TaskPolicy:
         task_skipped.send(
             sender=type(self.task), task=self.task, task_id=task_id, name=key, backend=alias,
             scope=scope, args=args, kwargs=kwargs, template=self.template, holder=holder,
+        )  # fmt: skip
+        return Skipped(key, holder)
+
+    def lost_while_running(self, held: HeldLock, task_id: str | None) -> None:
+        """Log a run that ended after its lease was lost (expired or broken by an operator).
+
+        One WARNING for the task, beside the one logged when the loss was
+        found. The run's outcome stands as the body left it: failing a task
+        whose work is done could make a retry run it again.
+        """
+        self.logger.warning(
+            "%s[%s] ended after its lock %r (token %s) on %r was lost (%s): what it did "
+            "from then on was not protected by the lock. Its outcome is kept as the body "
+            "left it; check held.ensure() or use fenced writes before effects that must "
+            "not overlap.",
+            self.name, task_id, held.name, held.token, held.alias, held.lost_reason,
         )  # fmt: skip
 
     def adopt(self, ticket: Mapping[str, Any], key: str) -> HeldLock | None:
@@ -374,6 +392,20 @@ class TaskPolicy:
             self.logger.warning(
                 "Could not release the queue lease %r", ticket.get("name"), exc_info=True
             )
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A call skipped because its ``key`` is held; ``holder`` as :func:`skipped_by` told it."""
+
+    key: str
+    holder: dict[str, Any] | None
+
+    @property
+    def holder_task_id(self) -> str | None:
+        """The id of the task that holds the key, if a task does and says so."""
+        task_id = (self.holder or {}).get("task_id")
+        return task_id if isinstance(task_id, str) and task_id else None
 
 
 class PolicyMixin:

@@ -82,7 +82,7 @@ class _ReleaseAtCommit:
         self.countdown.ended(True)
 
 
-def _off_django_connections(backend: BaseLockBackend, call: Callable[[], None]) -> None:
+def _off_django_connections(backend: BaseLockBackend, call: Callable[[], object]) -> None:
     """``call`` now, or on ``backend``'s renewal thread if it uses Django's connections."""
     if backend.uses_django_connections:
         get_watchdog().renewer(backend.alias).submit(call)

@@ -15,6 +15,7 @@ from typing import Any
 
 from celery.exceptions import Ignore, Reject
 
+from django_dlock import locks
 from django_dlock.celery import locked_task
 from django_dlock.signals import task_deferred
 
@@ -210,3 +211,10 @@ task_deferred.connect(_record_deferral, weak=False)
 def limited_one(self: Any, key: str, log: str, counter: str, hold: float = 0.2) -> int:
     """As ``limited``, one at a time, with a short lease: for a worker killed mid-run."""
     return _counted_body(self, key, log, counter, hold)
+
+
+@locked_task(key="broken:{key}", backend="celery", bind=True)
+def broken_midway(self: Any, key: str) -> str:
+    """Its lock is broken while the body runs, as an operator would (``locks break``)."""
+    assert locks["celery"].break_lock(self.lock.name)
+    return "done"

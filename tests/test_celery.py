@@ -6,6 +6,7 @@ alias (the tests' own redis-server).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -314,8 +315,10 @@ def test_queue_scope_duplicate_is_not_sent(log: str) -> None:
             results = [tasks.dedup_queued.delay(f"q{i % 2}", log) for i in range(6)]
         finally:
             task_skipped.disconnect(receiver)
-        sent = [r for r in results if r is not None]
-        assert len(sent) == 2 and len(skipped) == 4
+        sent = results[:2]
+        assert len(skipped) == 4
+        # A duplicate returns the AsyncResult of the message that holds its key.
+        assert [r.id for r in results] == [r.id for r in sent] * 3
         assert {s["scope"] for s in skipped} == {"queue"}
         assert queue.qsize() == 2
         messages = [queue.get(timeout=1) for _ in range(2)]
@@ -552,10 +555,11 @@ def test_a_naive_eta_is_read_as_the_worker_reads_it(log: str, zone: str) -> None
         queue.clear()
         try:
             eta = datetime.now(ZoneInfo(zone)).replace(tzinfo=None) + timedelta(seconds=120)
-            assert tasks.dedup_queued.apply_async((key, log), eta=eta) is not None
+            sent = tasks.dedup_queued.apply_async((key, log), eta=eta)
             [info] = locks["celery"].list(name)
             assert 120 < info.expires_in <= 150, info.expires_in
-            assert tasks.dedup_queued.apply_async((key, log), eta=eta) is None
+            # Not sent: the duplicate's AsyncResult is the first message's.
+            assert tasks.dedup_queued.apply_async((key, log), eta=eta).id == sent.id
             assert queue.qsize() == 1
         finally:
             locks["celery"].break_lock(name)
@@ -697,3 +701,23 @@ def test_park_and_unpark_refuse_bad_input_before_the_backend(alias: str) -> None
         with pytest.raises(ValueError, match="count"):
             unpark(alias, "parked:bad", count)  # type: ignore[arg-type]
     assert unpark(alias, "parked:bad", 5) == []
+
+
+@pytest.mark.usefixtures("eager")
+def test_a_lease_broken_while_the_task_runs_is_one_warning_and_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operator breaks a running task's lock: the loss is logged when it is found, the task
+    says once that it ended unprotected, and nothing is logged as an ERROR or with a traceback.
+    The body's result stands (failing a task whose work is done could retry it)."""
+    caplog.set_level(logging.INFO, logger="django_dlock")
+    result = tasks.broken_midway.delay("by-operator")
+    assert result.successful() and result.result == "done"
+    ours = [r for r in caplog.records if r.name.startswith("django_dlock")]
+    assert [r for r in ours if r.levelno >= logging.ERROR or r.exc_info] == []
+    [lost] = [r for r in ours if r.name == "django_dlock" and r.levelno == logging.WARNING]
+    assert "'broken:by-operator'" in lost.getMessage() and "was lost" in lost.getMessage()
+    [ended] = [r for r in ours if r.name == "django_dlock.celery" and r.levelno >= logging.WARNING]
+    assert result.id in ended.getMessage()
+    assert "was not protected by the lock" in ended.getMessage()
+    assert held_names("broken:by-operator") == []

@@ -20,6 +20,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.backends.redis import RedisBackend
+from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 from django.conf import settings
 from testproject.celery import app
@@ -136,13 +137,18 @@ def test_duplicates_run_once_per_key_in_run_scope(
     eventually(
         lambda: sum(r.ready() for r in results) == DUPLICATES - KEYS, 60, "16 skipped calls"
     )
-    assert all(r.result is None for r in results if r.ready())
+    # A skipped message did not run: it is recorded as REVOKED, not as a success.
+    skipped = [r for r in results if r.ready()]
+    assert {r.state for r in skipped} == {"REVOKED"}
+    for r in skipped:
+        with pytest.raises(TaskRevokedError, match="skipped: lock 'dedup:"):
+            r.get(timeout=5)
     go.touch()
-    tokens = [worker.get(s) for s in sent]
+    tokens = [worker.get(s) for s in sent if s.id not in {r.id for r in skipped}]
     events = tasks.read_log(log)
     assert len(events) == KEYS
     assert sorted(e["key"] for e in events) == sorted(set(keys))
-    assert sorted(t for t in tokens if t is not None) == sorted(e["token"] for e in events)
+    assert sorted(tokens) == sorted(e["token"] for e in events)
     assert held(f"dedup:{run}") == []
 
 
@@ -151,8 +157,10 @@ def test_queue_scope_enqueues_once_per_key(worker: Worker, log: str) -> None:
     parked = f"{worker.queue}-parked"  # no worker consumes it yet: count what was enqueued
     keys = [f"{run}-{i % KEYS}" for i in range(DUPLICATES)]
     sent = [worker.send(tasks.dedup_queued, key, log, queue=parked) for key in keys]
-    enqueued = [s for s in sent if s is not None]
+    # A refused call returns the AsyncResult of the message that holds its key.
+    enqueued = list({s.id: s for s in sent}.values())
     assert len(enqueued) == KEYS
+    assert [s.id for s in sent[KEYS:]] == [s.id for s in sent[: DUPLICATES - KEYS]]
     assert worker.queue_size(parked) == KEYS
     assert sorted(i.name for i in held(f"dedup-q:{run}")) == sorted(
         f"dedup-q:{k}" for k in set(keys)

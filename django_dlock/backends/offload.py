@@ -51,7 +51,7 @@ T = TypeVar("T")
 class Releasable(Protocol):
     """A handle an abandoned async acquisition releases (``HeldLock``)."""
 
-    def release_quietly(self) -> None: ...
+    def release_quietly(self) -> bool: ...
 
 
 R = TypeVar("R", bound=Releasable)

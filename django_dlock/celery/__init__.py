@@ -73,6 +73,7 @@ from ..keys import KeyTemplate
 from ..signals import task_deferred
 from ..task_policy import (
     PolicyMixin,
+    Skipped,
     TaskLockOptions,
     TaskPolicy,
     caller_template,
@@ -243,9 +244,12 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
         ticket = _ticket(request)
         held = None if ticket is None else self.policy.adopt(ticket, key)
         if held is None:
-            held = self._acquire(key, self.lock_options.ttl, True, task_id, request, args, kwargs)
-            if held is None:
-                return None
+            acquired = self._acquire(
+                key, self.lock_options.ttl, True, task_id, request, args, kwargs
+            )
+            if isinstance(acquired, Skipped):
+                return self._skip_run(request, acquired)
+            held = acquired
         token = _running.set((*_running.get(), (self, task_id, held)))
         try:
             return call(*args, **kwargs)
@@ -255,7 +259,8 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
             # and Reject. A release that finds the lease gone is logged, not
             # raised: the body's work is done, and failing the task now could
             # make autoretry_for run it again.
-            held.release_quietly()
+            if not held.release_quietly() and held.lost_reason is not None:
+                self.policy.lost_while_running(held, task_id)
             if self.lock_options.on_locked == "defer":
                 if task_id is not None and request is not None:
                     drop_copies(self.lock_options.backend, key, task_id, request)
@@ -270,11 +275,8 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
         request: Any,
         args: Any,
         kwargs: Any,
-    ) -> HeldLock | None:
-        """Acquire for a run (``renew``) or a message, else do what ``on_locked`` says.
-
-        None: the call is skipped.
-        """
+    ) -> HeldLock | Skipped:
+        """Acquire for a run (``renew``) or a message, else do what ``on_locked`` says."""
         options = self.lock_options
 
         def refused(e: LockTimeout) -> HeldLock | None:
@@ -282,7 +284,7 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
                 raise self.retry(exc=e, countdown=options.countdown) from e
             return self._park(key, task_id, request, args, kwargs)  # "defer"
 
-        return self.policy.acquire(
+        acquired = self.policy.acquire(
             key,
             ttl=ttl,
             renew=renew,
@@ -292,6 +294,27 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
             kwargs=kwargs,
             refused=refused,
         )
+        assert acquired is not None  # refused() returns a lease or raises
+        return acquired
+
+    def _skip_run(self, request: Any, skipped: Skipped) -> None:
+        """End a run whose key is held: as REVOKED where a worker runs the message.
+
+        A skipped message did not run, so its result must not read as a
+        ``SUCCESS`` returning None: it is stored as ``REVOKED`` (``get()``
+        raises ``TaskRevokedError`` naming the lock), as Celery stores a
+        message it discards, and the run ends with ``Ignore`` so that the
+        worker does not overwrite it. A direct or eager call returns None.
+        """
+        if request is None or request.called_directly or getattr(request, "is_eager", False):
+            return None
+        self.backend.mark_as_revoked(
+            request.id,
+            f"skipped: lock {skipped.key!r} on {self.lock_options.backend!r} is held",
+            request=request,
+            store_result=not self.ignore_result or self.store_errors_even_if_ignored,
+        )
+        raise Ignore()
 
     def _park(
         self, key: str, task_id: str | None, request: Any, args: Any, kwargs: Any
@@ -361,7 +384,12 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
         *rest: Any,
         **options: Any,
     ) -> Any:
-        """Celery's ``apply_async``; in queue scope, take the lock first (None: skipped)."""
+        """Celery's ``apply_async``; in queue scope, take the lock first.
+
+        A call whose key is held is not sent: ``on_locked="skip"`` returns the
+        ``AsyncResult`` of the task that holds the key (as celery-singleton
+        does), or None when the holder is not a task or cannot be told.
+        """
         lock_options = self.lock_options
         if lock_options.scope != "queue":
             return super().apply_async(args, kwargs, task_id, *rest, **options)
@@ -375,9 +403,11 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
             held.extend(ttl)  # a retry of the running task: its lease goes with it
         else:
             # Not renewed: if the message is lost, the lease must run out.
-            held = self._acquire(key, ttl, False, task_id, None, args, kwargs)
-            if held is None:
-                return None
+            acquired = self._acquire(key, ttl, False, task_id, None, args, kwargs)
+            if isinstance(acquired, Skipped):
+                holder = acquired.holder_task_id
+                return None if holder is None else self.AsyncResult(holder)
+            held = acquired
         ticket = held.detach()
         headers = {**(options.pop("headers", None) or {}), HEADER: ticket}
         try:

@@ -249,7 +249,10 @@ class Command(BaseCommand):
                 )
             queued = [(a, sync_account.delay(a)) for _ in range(duplicates) for a in accounts]
             for account in accounts:
-                sent = [r for a, r in queued if a == account and r is not None]
+                # A refused call returns the AsyncResult of the message that holds its key.
+                sent = list(
+                    {r.id: r for a, r in queued if a == account and r is not None}.values()
+                )
                 for result in sent:
                     result.get(timeout=60)
                 self.say(
