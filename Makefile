@@ -12,7 +12,7 @@ DEMO_VENV ?= .venv-demo
 DEMO_BIN := $(DEMO_VENV)/bin
 DEMO_STAMP := $(DEMO_VENV)/.installed
 
-.PHONY: demo fresh-check test realproject model-long chaos lint typecheck packaging docs system-deps screenshots clean
+.PHONY: demo fresh-check test realproject model-long chaos lint typecheck packaging release-check docs system-deps screenshots clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +99,14 @@ packaging: $(STAMP)
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
 	$(BIN)/twine check --strict dist/*
+
+# The release as users get it (scripts/release_check.py): sdist and wheel,
+# twine check --strict, the sdist's contents, then the wheel with every extra
+# installed from wheels only into fresh virtualenvs on Python 3.10 + Django 4.2,
+# 3.12 + 6.0 and 3.13 + 5.2 (pyenv's), each running migrate, check, a lock, a
+# locked Celery task and a locked task-framework task. CI runs it.
+release-check: $(STAMP)
+	$(BIN)/python scripts/release_check.py $(RELEASE_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) dist build *.egg-info .pytest_cache .mypy_cache .ruff_cache .tox
