@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -332,6 +333,49 @@ def test_queue_scope_duplicate_is_not_sent(log: str) -> None:
             locks["celery"].adopt(ticket).release()
             message.ack()
         queue.close()
+
+
+def test_queue_scope_raise_and_wait_act_in_apply_async() -> None:
+    """docs/celery.md: in queue scope "raise" and "wait" refuse the caller's apply_async.
+
+    While the key is held, "raise" raises LockTimeout at once, "wait" after
+    its timeout, and no message is sent; once it is free, the call is sent.
+    """
+    options = {"key": "refused-q:{x}", "scope": "queue", "backend": "celery"}
+
+    @app.task(
+        base=LockedTask, lock={**options, "on_locked": "raise"}, shared=False,
+        name="tests.refused_q_raise",
+    )  # fmt: skip
+    def raising(x: int) -> int:
+        return x
+
+    @app.task(
+        base=LockedTask, lock={**options, "on_locked": "wait", "timeout": 0.5}, shared=False,
+        name="tests.refused_q_wait",
+    )  # fmt: skip
+    def waiting(x: int) -> int:
+        return x
+
+    with app.connection_for_write() as conn:
+        queue = conn.SimpleQueue(app.conf.task_default_queue)
+        queue.clear()
+        try:
+            with lock("refused-q:1", backend="celery"):
+                with pytest.raises(LockTimeout):
+                    raising.apply_async((1,))
+                started = time.monotonic()
+                with pytest.raises(LockTimeout):
+                    waiting.apply_async((1,))
+                assert time.monotonic() - started >= 0.4
+                assert queue.qsize() == 0
+            waiting.apply_async((1,))
+            assert queue.qsize() == 1
+            message = queue.get(timeout=1)
+            locks["celery"].adopt(message.headers[HEADER]).release()
+            message.ack()
+        finally:
+            queue.close()
 
 
 # --- the visibility_timeout check ------------------------------------------------------

@@ -7,6 +7,7 @@ only Redis has.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,7 +28,7 @@ import redis
 from django.core import checks
 from django.test import override_settings
 
-from django_dlock import BackendUnavailable, LockTimeout, lock, locks, rwlock, semaphore
+from django_dlock import BackendUnavailable, LockLost, LockTimeout, lock, locks, rwlock, semaphore
 from django_dlock.backends.base import Grant
 from django_dlock.backends.redis import (
     HANDOVER_LEASE_MS,
@@ -65,6 +66,27 @@ def test_tokens_survive_a_restart_that_loses_data(
     assert raw(server).dbsize() == 0
     with lock(name, backend="redis") as after:
         assert after.token > before.token
+
+
+def test_a_lease_lost_with_the_servers_data_goes_to_another_holder_and_is_reported_lost(
+    redis_servers: dict[str, Any], name: str
+) -> None:
+    """docs/choose-a-backend.md: a restart without persistence loses the leases held.
+
+    Another client can then take the lock, with a larger token, and the old
+    holder's ensure() raises LockLost.
+    """
+    server = redis_servers["single"]
+    held = lock(name, backend="redis", ttl=30).acquire()
+    try:
+        server.restart()  # --save "" --appendonly no: the lease is gone
+        with lock(name, backend="redis", timeout=10) as other:
+            assert other.token > held.token
+            with pytest.raises(LockLost):
+                held.ensure()
+    finally:
+        with contextlib.suppress(LockLost):
+            held.release()
 
 
 def test_tokens_survive_an_older_snapshot(redis_servers: dict[str, Any], name: str) -> None:
