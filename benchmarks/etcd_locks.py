@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/etcd_locks.py            # about a minute
     .venv/bin/python benchmarks/etcd_locks.py --quick    # shorter, for a smoke test
 
-Implementations, each with a 30 s lease, on the same gRPC stubs (etcd3-fc's):
+Implementations, each with a 30 s lease; the floor on the backend's gRPC stubs
+(django_dlock.backends.etcd.etcdrpc), etcd3-fc on its own (etcd3.etcdrpc):
 
 - floor:    the raw two transactions: put the key if its create revision is 0
             (under a lease granted once and refreshed every 10 s), then delete
@@ -58,23 +59,32 @@ class Impl:
     """acquire(name) blocks until held and returns what release() needs."""
 
     def __init__(self, kind: str, endpoint: str) -> None:
-        import etcd3
-        from etcd3 import etcdrpc as rpc
-
         self.kind = kind
-        self.rpc = rpc
-        host, port = endpoint.rsplit(":", 1)
-        self.client = etcd3.client(host=host, port=int(port))
-        self.kv = rpc.KVStub(self.client.channel)
-        if kind == "floor":
-            self.lease = self.client.lease(TTL).id
+        if kind == "etcd3-fc":
+            # The peer, and the only user of etcd3-fc (the bench group's): its
+            # stubs and ours load side by side, each in its own descriptor pool.
+            import etcd3
+
+            host, port = endpoint.rsplit(":", 1)
+            self.client = etcd3.client(host=host, port=int(port))
+        elif kind == "floor":
+            import grpc
+
+            from django_dlock.backends.etcd import etcdrpc as rpc
+
+            self.rpc = rpc
+            self.channel = grpc.insecure_channel(endpoint)
+            self.kv = rpc.KVStub(self.channel)
+            self.leases = rpc.LeaseStub(self.channel)
+            self.lease = self.leases.LeaseGrant(rpc.LeaseGrantRequest(TTL=TTL)).ID
             self.refreshed = time.monotonic()
 
     def acquire(self, name: str) -> Any:
         if self.kind == "floor":
             rpc = self.rpc
             if time.monotonic() - self.refreshed > TTL / 3:  # keep the lease, as ours does
-                list(self.client.refresh_lease(self.lease))
+                keepalive = iter([rpc.LeaseKeepAliveRequest(ID=self.lease)])
+                list(self.leases.LeaseKeepAlive(keepalive))
                 self.refreshed = time.monotonic()
             key = f"bench/{name}".encode()
             put = rpc.TxnRequest(

@@ -172,9 +172,8 @@ def _queued_on_etcd(backend: BaseLockBackend, name: str) -> list[int]:
 
     A mutex's key holds the holder's JSON; a read/write lock's, a dict with it.
     """
-    from etcd3 import etcdrpc as rpc
-
     from django_dlock.backends.etcd import EtcdBackend
+    from django_dlock.backends.etcd import etcdrpc as rpc
     from django_dlock.backends.etcd.transport import escape, range_end
 
     assert isinstance(backend, EtcdBackend)

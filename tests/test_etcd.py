@@ -11,6 +11,7 @@ import base64
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -133,6 +134,103 @@ def python(code: str) -> subprocess.Popen[str]:
 
 
 # --- layout and interop ---------------------------------------------------------------
+
+
+# etcd3 cannot be imported: any import of it, or of a module under it, fails.
+_NO_ETCD3 = """
+import sys
+
+class NoEtcd3:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "etcd3":
+            raise ImportError(f"{name}: blocked by the test")
+
+sys.meta_path.insert(0, NoEtcd3())
+"""
+
+_USE_THE_BACKEND = """
+import sys
+import django
+from django.conf import settings
+settings.configure()
+django.setup()
+from django_dlock.backends.etcd import EtcdBackend
+from django_dlock.exceptions import LockTimeout
+
+endpoint, name = sys.argv[1:]
+b = EtcdBackend("x", {"LOCATION": endpoint})
+held = b.acquire(name, ttl=5)
+try:
+    b.acquire(name, ttl=5, timeout=0.5)  # queues, watches its predecessor, times out
+except LockTimeout:
+    pass
+assert [info.token for info in b.list(name)] == [held.token]
+b.ping()
+held.release()
+assert b.list(name) == []
+b.close()
+print("etcd3 loaded:", any(m.partition(".")[0] == "etcd3" for m in sys.modules))
+"""
+
+
+def _python_with(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def test_the_backend_runs_without_etcd3(single: EtcdServer, name: str) -> None:
+    """The gRPC stubs are the package's own (etcdrpc/), not etcd3-fc's ``etcd3``.
+
+    etcd3-fc is installed here for the benchmark's peer; the child process
+    cannot import it, and locks, waits (a watch), lists and pings all the same.
+    """
+    out = _python_with(_NO_ETCD3 + _USE_THE_BACKEND, single.endpoint, name)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "etcd3 loaded: False"
+
+
+def test_the_backend_runs_beside_etcd3_s_own_stubs(single: EtcdServer, name: str) -> None:
+    """A process that also uses another etcd client loads both sets of stubs.
+
+    Both define etcdserverpb.RangeRequest and the rest; in one descriptor pool
+    the second would fail to import ("duplicate symbol"), so ours have a pool
+    of their own (etcdrpc/_pool.py).
+    """
+    pytest.importorskip("etcd3.etcdrpc", reason="etcd3-fc (the bench group) is not installed")
+    code = "import etcd3.etcdrpc\n" + _USE_THE_BACKEND
+    out = _python_with(code, single.endpoint, name)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "etcd3 loaded: True"
+
+
+def test_the_etcd_extra_s_floors_are_what_the_stubs_check() -> None:
+    """pyproject's etcd extra against the versions written in the generated stubs.
+
+    Stubs regenerated with another grpcio-tools (scripts/gen_etcd_stubs.py)
+    check other versions as they import: the extra must follow.
+    """
+    stubs = ROOT / "django_dlock" / "backends" / "etcd" / "etcdrpc"
+    extra = re.search(r"^etcd = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert extra is not None
+    floors = dict(re.findall(r'"(grpcio|protobuf)>=([\d.]+)"', extra.group(1)))
+    grpc_made = re.search(
+        r"^GRPC_GENERATED_VERSION = '([\d.]+)'$", (stubs / "rpc_pb2_grpc.py").read_text(), re.M
+    )
+    assert grpc_made is not None
+    assert floors["grpcio"] == grpc_made.group(1)
+    for module in ("auth_pb2.py", "kv_pb2.py", "rpc_pb2.py"):
+        checked = re.search(
+            r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,"
+            r"\s*(\d+),\s*(\d+),\s*(\d+),",
+            (stubs / module).read_text(),
+        )
+        assert checked is not None, module
+        assert floors["protobuf"] == ".".join(checked.groups()), module
 
 
 def test_keys_are_as_documented(single: EtcdServer, name: str) -> None:
@@ -1113,7 +1211,7 @@ def test_replies_coming_back_out_of_order_are_not_taken_for_lost_data(
     the back of the queue: async waiters on etcd were served out of the order
     they had queued in (tests/test_async_starvation.py, 1 to 3 of 6 runs).
     """
-    from etcd3 import etcdrpc as rpc
+    from django_dlock.backends.etcd import etcdrpc as rpc
 
     backend = make_backend(single.endpoint)
     state = backend.state

@@ -53,12 +53,15 @@ Semaphores and read/write locks are the same queue with weights, under
 (``slots.py`` says how).
 """
 
+# The stubs in etcdrpc/ are this package's own; what they need is grpcio and
+# protobuf, the etcd extra. (A grpcio or protobuf older than the extra's floor
+# fails in the stubs, with a message that names the version they need.)
 try:
-    import etcd3.etcdrpc  # noqa: F401
+    import google.protobuf  # noqa: F401
     import grpc  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "The etcd lock backend needs etcd3-fc: pip install 'django-dlock[etcd]'"
+        "The etcd lock backend needs grpcio and protobuf: pip install 'django-dlock[etcd]'"
     ) from e
 
 from .backend import EtcdBackend

@@ -20,12 +20,12 @@ from typing import Any
 
 import grpc
 from django.core import checks
-from etcd3 import etcdrpc as rpc
 
 from ..._validation import load_holder
 from ...exceptions import BackendUnavailable
 from ..base import Attempt, BaseLockBackend, Grant, LockInfo
 from ..ops import MutexOps
+from . import etcdrpc as rpc
 from .epochs import Epochs
 from .handover import EtcdHandover
 from .renewals import EtcdRenewals

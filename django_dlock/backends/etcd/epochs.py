@@ -36,10 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from etcd3 import etcdrpc as rpc
-
 from ...clocks import wall_micros
 from ...exceptions import BackendUnavailable
+from . import etcdrpc as rpc
 from .transport import Transport, encode_op, get, modified_at, put, range_end, txn
 
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from etcd3 import etcdrpc as rpc
 
 from ...exceptions import BackendUnavailable
+from . import etcdrpc as rpc
 from .epochs import Epochs
 from .transport import Transport, created_at, delete, delete_txn, leased_by, txn
 from .watches import Watches

@@ -36,8 +36,6 @@ import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from etcd3 import etcdrpc as rpc
-
 from ...clocks import wall_micros
 from ...exceptions import BackendUnavailable
 from ..attempts import Attempt
@@ -52,6 +50,7 @@ from ..base import (
 from ..ops import SlotAttempt
 from ..parking_backend import ParkingBackend
 from ..semaphore_backend import SemaphoreBackend
+from . import etcdrpc as rpc
 from .sessions import Entry, Sessions
 from .transport import (
     CREATE_ASC,

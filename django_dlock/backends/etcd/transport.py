@@ -17,10 +17,10 @@ from typing import Any, NamedTuple, TypeVar
 from urllib.parse import unquote
 
 import grpc
-from etcd3 import etcdrpc as rpc
 
 from ...exceptions import BackendUnavailable
 from ..redaction import redacted
+from . import etcdrpc as rpc
 
 #: gRPC codes after which the request goes to the next endpoint.
 RETRY_CODES = frozenset(

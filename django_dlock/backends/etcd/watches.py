@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
-from etcd3 import etcdrpc as rpc
-from etcd3.etcdrpc import kv_pb2
 
+from . import etcdrpc as rpc
+from .etcdrpc import kv_pb2
 from .transport import Transport
 
 _DELETE = kv_pb2.Event.DELETE
