@@ -305,9 +305,14 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
         raises ``TaskRevokedError`` naming the lock), as Celery stores a
         message it discards, and the run ends with ``Ignore`` so that the
         worker does not overwrite it. A direct or eager call returns None.
+
+        A copy of the message that holds the key (redelivered, or sent twice
+        with its id) stores nothing: the result is the running one's.
         """
         if request is None or request.called_directly or getattr(request, "is_eager", False):
             return None
+        if skipped.holder_task_id == request.id:
+            raise Ignore()
         self.backend.mark_as_revoked(
             request.id,
             f"skipped: lock {skipped.key!r} on {self.lock_options.backend!r} is held",

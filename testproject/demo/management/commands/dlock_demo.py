@@ -32,6 +32,7 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
+from celery.exceptions import TaskRevokedError
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -235,8 +236,9 @@ class Command(BaseCommand):
             ran: dict[int, list[int]] = defaultdict(list)
             skipped: dict[int, int] = defaultdict(int)
             for account, result in calls:
-                value = result.get(timeout=60)
-                if value is None:
+                # A skipped message is recorded as REVOKED: get() raises TaskRevokedError.
+                value = result.get(timeout=60, propagate=False)
+                if isinstance(value, TaskRevokedError):
                     skipped[account] += 1
                 else:
                     ran[account].append(value["token"])
