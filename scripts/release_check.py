@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import textwrap
 import time
 import zipfile
 from pathlib import Path
@@ -108,7 +107,7 @@ import django_dlock.backends.etcd  # noqa: E402,F401  (the etcd extra's gRPC stu
 print("smoke: ok")
 '''
 
-SMOKE_SETTINGS = '''
+SMOKE_SETTINGS = """
 
 # --- added by scripts/release_check.py ---
 INSTALLED_APPS += ["django_dlock"]
@@ -118,7 +117,7 @@ try:
 except ImportError:
     INSTALLED_APPS += ["django_tasks"]
     TASKS = {"default": {"BACKEND": "django_tasks.backends.immediate.ImmediateBackend"}}
-'''
+"""
 
 
 def interpreter(version: str) -> str:
@@ -147,23 +146,41 @@ def run(what: str, command: list[str], **kwargs: object) -> str:
 
 def build(dist: Path) -> tuple[Path, Path]:
     shutil.rmtree(dist, ignore_errors=True)
-    run("build the sdist and the wheel", [sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)])
+    run(
+        "build the sdist and the wheel",
+        [sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)],
+    )
     [sdist] = dist.glob("*.tar.gz")
     [wheel] = dist.glob("*.whl")
-    run("twine check --strict", [sys.executable, "-m", "twine", "check", "--strict", str(sdist), str(wheel)])
+    run(
+        "twine check --strict",
+        [sys.executable, "-m", "twine", "check", "--strict", str(sdist), str(wheel)],
+    )
     return sdist, wheel
 
 
 def check_sdist(sdist: Path) -> None:
     with tarfile.open(sdist) as tar:
         names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
-    for needed in ("CHANGELOG.md", "LICENSE", "README.md", "pyproject.toml", "django_dlock/__init__.py"):
+    for needed in (
+        "CHANGELOG.md",
+        "LICENSE",
+        "README.md",
+        "pyproject.toml",
+        "django_dlock/__init__.py",
+    ):
         if needed not in names:
             sys.exit(f"release-check: FAILED: the sdist lacks {needed}")
     stray = [n for n in names if n.startswith(("tests/", "testproject/", "benchmarks/", "chaos/"))]
     if stray:
-        sys.exit(f"release-check: FAILED: the sdist ships what cannot run without the repository: {stray[:5]}")
-    print(f"  ok  the sdist holds the package, LICENSE, README and CHANGELOG, and no tests ({len(names)} files)")
+        sys.exit(
+            "release-check: FAILED: the sdist ships what cannot run without the "
+            f"repository: {stray[:5]}"
+        )
+    print(
+        "  ok  the sdist holds the package, LICENSE, README and CHANGELOG, and no tests "
+        f"({len(names)} files)"
+    )
 
 
 def check_wheel(wheel: Path) -> None:
@@ -181,15 +198,29 @@ def smoke(python: str, django: str, extras: str, wheel: Path, work: Path) -> Non
     venv = work / "venv"
     run(f"venv on {python}", [python, "-m", "venv", str(venv)])
     pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
-    run("pip up to date", [*pip, "install", "--quiet", "--only-binary", ":all:", "--upgrade", "pip"])
+    run(
+        "pip up to date",
+        [*pip, "install", "--quiet", "--only-binary", ":all:", "--upgrade", "pip"],
+    )
     run(
         f"install the wheel [{extras}] with Django {django}.*, from wheels only",
-        [*pip, "install", "--quiet", "--only-binary", ":all:", f"{wheel}[{extras}]", f"Django=={django}.*"],
+        [
+            *pip,
+            "install",
+            "--quiet",
+            "--only-binary",
+            ":all:",
+            f"{wheel}[{extras}]",
+            f"Django=={django}.*",
+        ],
     )
     bindir = venv / "bin"
     project = work / "project"
     project.mkdir()
-    run("django-admin startproject", [str(bindir / "django-admin"), "startproject", "smoke", str(project)])
+    run(
+        "django-admin startproject",
+        [str(bindir / "django-admin"), "startproject", "smoke", str(project)],
+    )
     with open(project / "smoke" / "settings.py", "a") as settings:
         settings.write(SMOKE_SETTINGS)
     (project / "jobs.py").write_text(SMOKE_JOBS)
@@ -197,18 +228,41 @@ def smoke(python: str, django: str, extras: str, wheel: Path, work: Path) -> Non
     python_bin = str(bindir / "python")
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("DJANGO_SETTINGS_MODULE", None)
-    run("manage.py migrate", [python_bin, "manage.py", "migrate", "--noinput"], cwd=project, env=env)
-    run("manage.py check", [python_bin, "manage.py", "check", "--fail-level", "WARNING"], cwd=project, env=env)
-    run("a lock, a locked Celery task (eager), a locked task-framework task", [python_bin, "run_smoke.py"], cwd=project, env=env)
+    run(
+        "manage.py migrate",
+        [python_bin, "manage.py", "migrate", "--noinput"],
+        cwd=project,
+        env=env,
+    )
+    run(
+        "manage.py check",
+        [python_bin, "manage.py", "check", "--fail-level", "WARNING"],
+        cwd=project,
+        env=env,
+    )
+    run(
+        "a lock, a locked Celery task (eager), a locked task-framework task",
+        [python_bin, "run_smoke.py"],
+        cwd=project,
+        env=env,
+    )
     versions = run(
         "versions",
-        [python_bin, "-c", "import sys, django, django_dlock.backends.etcd; print(sys.version.split()[0], django.get_version())"],
+        [
+            python_bin,
+            "-c",
+            "import sys, django, django_dlock.backends.etcd; "
+            "print(sys.version.split()[0], django.get_version())",
+        ],
         cwd=project,
         env=env,
     )
     probe = subprocess.run([python_bin, "-c", "import etcd3"], capture_output=True)
     if probe.returncode == 0:
-        sys.exit("release-check: FAILED: etcd3 is installed; the etcd extra should need only grpcio and protobuf")
+        sys.exit(
+            "release-check: FAILED: etcd3 is installed; the etcd extra should need "
+            "only grpcio and protobuf"
+        )
     print(f"  ok  Python and Django: {versions.strip()}; no etcd3 installed")
 
 
