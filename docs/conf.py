@@ -1,6 +1,8 @@
 """Sphinx configuration: the Markdown pages through MyST, the API from docstrings.
 
-`make docs` builds it with warnings as errors (`sphinx-build -W`).
+`make docs` builds the html with warnings as errors (`sphinx-build -W`) in a
+virtualenv of the `docs` dependency group alone, then runs the pages'
+doctests.
 """
 
 from __future__ import annotations
@@ -80,7 +82,6 @@ extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "sphinx.ext.doctest",
-    "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
