@@ -107,3 +107,6 @@ doctest_default_flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 html_theme = "furo"
 html_title = "django-dlock"
+# Wide tables scroll in their own box, with columns kept readable (tables.css).
+html_static_path = ["_static"]
+html_css_files = ["tables.css"]
