@@ -67,6 +67,7 @@ def new_owner() -> str:
 
 
 def micros_to_datetime(micros: int) -> datetime:
+    """An aware UTC datetime from microseconds since the epoch (a lease's stored time)."""
     return datetime.fromtimestamp(micros / 1_000_000, tz=timezone.utc)
 
 
@@ -144,6 +145,7 @@ def dump_holder(holder: Mapping[str, Any]) -> str:
 
 
 def load_holder(text: str | None) -> dict[str, Any]:
+    """The holder metadata stored as ``text`` (the JSON ``do_acquire`` got); {} for none."""
     if not text:
         return {}
     try:

@@ -59,6 +59,8 @@ from .handler import locks
 from .models import LockListing
 from .pings import UnderWay, on_daemon_thread
 
+__all__ = ["LockedModelAdmin", "LockedModelAdminMixin"]
+
 #: Leases per page.
 PER_PAGE = 100
 #: Seconds between reloads of the list unless ``?refresh=`` says otherwise (0: off).

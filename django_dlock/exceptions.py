@@ -36,6 +36,21 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
+__all__ = [
+    "BackendUnavailable",
+    "DLockError",
+    "InvalidBackendError",
+    "InvalidLockOption",
+    "InvalidTTL",
+    "LimitMismatch",
+    "LockConfigurationError",
+    "LockInTransaction",
+    "LockLost",
+    "LockNotOwned",
+    "LockTimeout",
+    "StaleWrite",
+]
+
 
 def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
     """An error of ``cls`` unpickled: its message and attributes, ``__init__`` not called."""

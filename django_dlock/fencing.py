@@ -32,6 +32,8 @@ from django.db.models.deletion import Collector
 
 from .exceptions import StaleWrite
 
+__all__ = ["FenceField", "FencedModel", "fenced_delete", "fenced_update"]
+
 M = TypeVar("M", bound=models.Model)
 
 

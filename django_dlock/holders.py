@@ -24,6 +24,8 @@ from .backends.base import LockInfo
 from .backends.types import SemaphoreInfo
 from .handler import locks
 
+__all__ = ["break_holder", "current_holders", "find_holders"]
+
 
 @dataclass(frozen=True)
 class Slot:

@@ -29,7 +29,16 @@ __all__ = ["Lock", "lock"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_UNSET: Any = object()
+
+class _LockTimeout:
+    """The default of ``acquire(timeout=...)``: the ``timeout`` given to ``lock()``."""
+
+    def __repr__(self) -> str:
+        # Signatures (help(), the API reference) show the default by this.
+        return "<the lock's timeout>"
+
+
+_UNSET: Any = _LockTimeout()
 
 
 # What each Lock acquired in this context (thread or asyncio task), innermost last.
@@ -290,6 +299,26 @@ def leases_here() -> list[HeldLock]:
     return [*reversed(stacked), *reversed(decorated.get())]
 
 
-#: ``lock(name, ttl=..., timeout=..., backend=..., metadata=..., renew=...,
-#: release_on_commit=..., using=...)``
-lock = Lock
+def lock(
+    name: str,
+    *,
+    ttl: float | None = None,
+    timeout: float | None = None,
+    backend: str = conf.DEFAULT_ALIAS,
+    metadata: Mapping[str, Any] | None = None,
+    renew: bool = True,
+    release_on_commit: bool = False,
+    using: str | None = None,
+) -> Lock:
+    """What to acquire: a :class:`Lock` on ``name``; nothing is acquired yet.
+
+    Acquire it with ``with lock(name) as held:`` (``held`` is the
+    :class:`~django_dlock.HeldLock`, with its fencing token), ``async with``,
+    ``@lock("invoice:{invoice_id}")`` on a function (the name a template over
+    its arguments, acquired per call) or :meth:`Lock.acquire`. The arguments
+    are checked here, before any I/O; they are described at :class:`Lock`.
+    """
+    return Lock(
+        name, ttl=ttl, timeout=timeout, backend=backend, metadata=metadata, renew=renew,
+        release_on_commit=release_on_commit, using=using,
+    )  # fmt: skip

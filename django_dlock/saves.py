@@ -44,6 +44,8 @@ from .held import HeldLock
 from .lock import leases_here, lock
 from .transactions import release_at_transaction_end
 
+__all__ = ["LockedSaveMixin", "instance_lock_name", "locked_delete", "locked_save", "row_model"]
+
 DEFAULT_KEY = "{app_label}.{model_name}:{pk}"
 
 

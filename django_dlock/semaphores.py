@@ -23,6 +23,7 @@ writes granted before it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from . import conf
@@ -71,8 +72,27 @@ class Semaphore(Lock):
         )  # fmt: skip
 
 
-#: ``semaphore(name, limit=N, ttl=..., timeout=..., backend=..., metadata=..., renew=...)``
-semaphore = Semaphore
+def semaphore(
+    name: str,
+    *,
+    limit: int,
+    ttl: float | None = None,
+    timeout: float | None = None,
+    backend: str = conf.DEFAULT_ALIAS,
+    metadata: Mapping[str, Any] | None = None,
+    renew: bool = True,
+) -> Semaphore:
+    """What to acquire: a :class:`Semaphore` of ``limit`` holders on ``name``.
+
+    Used as :func:`~django_dlock.lock` is (``with``, ``async with``, a
+    decorator, ``acquire()``); each holder gets a
+    :class:`~django_dlock.HeldLock` of its own. The other arguments are
+    :func:`~django_dlock.lock`'s.
+    """
+    return Semaphore(
+        name, limit=limit, ttl=ttl, timeout=timeout, backend=backend, metadata=metadata,
+        renew=renew,
+    )  # fmt: skip
 
 
 class _RWSide(Semaphore):
@@ -102,7 +122,7 @@ class RWLock:
         ttl: float | None = None,
         timeout: float | None = None,
         backend: str = conf.DEFAULT_ALIAS,
-        metadata: dict[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
         renew: bool = True,
     ) -> None:
         self._kwargs: dict[str, Any] = {
@@ -128,5 +148,19 @@ class RWLock:
         return _RWSide(self.name, write=True, **self._kwargs)
 
 
-#: ``rwlock(name, ttl=..., timeout=..., backend=..., metadata=..., renew=...)``
-rwlock = RWLock
+def rwlock(
+    name: str,
+    *,
+    ttl: float | None = None,
+    timeout: float | None = None,
+    backend: str = conf.DEFAULT_ALIAS,
+    metadata: Mapping[str, Any] | None = None,
+    renew: bool = True,
+) -> RWLock:
+    """A read/write lock on ``name``: acquire ``.read()`` (shared) or ``.write()`` (exclusive).
+
+    ``with rwlock("catalog").read():`` lets many readers in at once;
+    ``with rwlock("catalog").write():`` one writer and no reader. The
+    arguments are :func:`~django_dlock.lock`'s and apply to both sides.
+    """
+    return RWLock(name, ttl=ttl, timeout=timeout, backend=backend, metadata=metadata, renew=renew)

@@ -31,7 +31,7 @@ Lock options (``docs/django-tasks.md`` has the table):
     in its keyword arguments, and is adopted by the worker that runs it and
     released when the run ends.
 
-The queue-scope lifecycle, walked through in time:
+The queue-scope lifecycle, walked through in time::
 
     t0  enqueue() takes "sync:7" for ttl seconds (plus the wait until
         ``run_after``), not renewed, detaches it and enqueues the call with

@@ -12,6 +12,8 @@ from typing import Any
 
 from ._validation import validate_name, validate_ttl
 
+__all__ = ["Ticket"]
+
 #: Version of the ticket that ``HeldLock.detach()`` returns and ``adopt()`` reads.
 TICKET_VERSION = 1
 

@@ -22,6 +22,8 @@ from .exceptions import LockLost
 from .held import HeldLock
 from .watchdog import get_watchdog
 
+__all__ = ["AmbiguousTransaction"]
+
 if TYPE_CHECKING:
     from .backends.protocol import LockService as BaseLockBackend
 

@@ -46,6 +46,8 @@ from .lock import Lock
 from .semaphores import Semaphore
 from .transactions import open_transactions, release_at_transactions_end
 
+__all__ = ["LockRequiredMixin", "current_lock", "lock_view", "locked_response", "view_lock_name"]
+
 V = TypeVar("V", bound=Callable[..., Any])
 
 #: 423 Locked (RFC 4918): the resource is locked by another request.

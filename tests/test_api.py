@@ -246,3 +246,25 @@ def test_a_long_lived_lock_keeps_no_released_handles() -> None:
     assert sum(ref() is not None for ref in refs) == 0
     with lk as held:  # the object still works as a context manager
         assert held.token > 0
+
+
+def test_the_factories_take_what_their_classes_take() -> None:
+    """``lock()``, ``semaphore()`` and ``rwlock()`` spell out their class's arguments."""
+    import inspect
+
+    from django_dlock import RWLock, Semaphore, rwlock, semaphore
+
+    def params(f: Any) -> list[tuple[str, Any, Any]]:
+        found = inspect.signature(f).parameters.values()
+        return [(p.name, p.kind, p.default) for p in found if p.name != "self"]
+
+    assert params(lock) == params(Lock.__init__)
+    assert params(rwlock) == params(RWLock.__init__)
+    lock_params = [p for p in params(Lock.__init__) if p[0] not in ("release_on_commit", "using")]
+    kw_only = inspect.Parameter.KEYWORD_ONLY
+    assert params(semaphore) == [
+        lock_params[0],
+        ("limit", kw_only, inspect.Parameter.empty),
+        *lock_params[1:],
+    ]
+    assert isinstance(semaphore("x", limit=2), Semaphore)

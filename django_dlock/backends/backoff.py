@@ -7,6 +7,7 @@ import random
 #: Backoff of the default ``wait()``: first sleep, growth factor and ceiling (seconds).
 BACKOFF_FIRST = 0.002
 BACKOFF_FACTOR = 2.0
+#: Longest sleep of the default ``wait()`` between tries, seconds.
 BACKOFF_CEILING = 0.1
 
 #: Longest sleep between retries while the lock service is down, seconds.

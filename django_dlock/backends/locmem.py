@@ -24,6 +24,8 @@ from .ops import SlotAttempt
 from .parking_backend import ParkingBackend
 from .semaphore_backend import SemaphoreBackend
 
+__all__ = ["LocMemBackend"]
+
 
 @dataclass
 class _Lease:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from .attempts import Attempt
 from .types import Grant, LockInfo
 
+__all__ = ["MutexOps", "SlotAttempt", "SlotOps"]
+
 if TYPE_CHECKING:
     from .protocol import MutexBackend, SlotBackend
 

@@ -25,7 +25,7 @@ lock={...})`` works as well. Lock options (``docs/celery.md`` has the table):
     message as a ticket (``HeldLock.detach()``), and is adopted by the worker
     that runs it and released when the run ends.
 
-The lifecycle, walked through in time, with the cases the peers get wrong:
+The lifecycle, walked through in time, with the cases the peers get wrong::
 
     t0  apply_async (queue scope) takes "sync:7" for ttl + countdown seconds,
         detaches it and sends the ticket in the message headers. If sending
@@ -193,6 +193,7 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
     :class:`~django_dlock.HeldLock`: ``self.lock.token`` is the fencing token.
     """
 
+    #: The task's ``lock={...}`` options, validated when the class is made.
     lock_options: ClassVar[LockOptions] = LockOptions()
     lock: ClassVar[Any] = _CurrentLock()
     _key_template: ClassVar[KeyTemplate | None] = None

@@ -43,19 +43,13 @@ from ..backends.semaphore_backend import SemaphoreBackend
 from ..exceptions import LockConfigurationError
 from ..handler import locks
 
+# The parking queue's public face; django_dlock.celery uses the rest.
 __all__ = [
-    "LOOK_AGAIN_AFTER",
     "ORDER_HEADER",
     "NoParking",
-    "call_of",
     "has_parking",
-    "header",
-    "look_for_parked",
     "park",
-    "park_payload",
-    "send_parked",
     "send_parked_calls",
-    "stop_looking",
     "unpark",
     "unpark_key",
 ]

@@ -61,9 +61,8 @@ __all__ = ["LockBackend", "lock_backend_checks"]
 class LockBackend(HealthCheck):
     """The lock backend ``alias`` answers a ping within ``timeout``.
 
-    Args:
-        alias: an alias of ``DLOCK_BACKENDS``.
-        timeout: how long the probe waits for the answer.
+    :param alias: an alias of ``DLOCK_BACKENDS``.
+    :param timeout: how long the probe waits for the answer.
     """
 
     alias: str = "default"

@@ -275,7 +275,7 @@ def test_a_writer_that_gives_up_lets_readers_in_at_once(
 
 def test_semaphores_take_no_release_on_commit(backend_alias: str, name: str) -> None:
     with pytest.raises(TypeError, match="release_on_commit"):
-        semaphore(name, limit=2, backend=backend_alias, release_on_commit=True)
+        semaphore(name, limit=2, backend=backend_alias, release_on_commit=True)  # type: ignore[call-arg]
 
 
 def test_a_cancelled_async_writer_stops_waiting_and_lets_readers_in(

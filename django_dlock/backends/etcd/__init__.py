@@ -65,13 +65,13 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from .backend import EtcdBackend
-from .transport import ATTEMPT_SHARE, REFUSED_CODES, RETRY_CODES, RETRY_PAUSE, TRANSIENT_CODES
 
-__all__ = [
-    "ATTEMPT_SHARE",
-    "REFUSED_CODES",
-    "RETRY_CODES",
-    "RETRY_PAUSE",
-    "TRANSIENT_CODES",
-    "EtcdBackend",
-]
+# The public API is the backend named in DLOCK_BACKENDS (__all__, docs/api.rst).
+# The transport's constants stay importable here, but are the implementation's.
+from .transport import ATTEMPT_SHARE as ATTEMPT_SHARE
+from .transport import REFUSED_CODES as REFUSED_CODES
+from .transport import RETRY_CODES as RETRY_CODES
+from .transport import RETRY_PAUSE as RETRY_PAUSE
+from .transport import TRANSIENT_CODES as TRANSIENT_CODES
+
+__all__ = ["EtcdBackend"]

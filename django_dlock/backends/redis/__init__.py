@@ -68,17 +68,16 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "The Redis lock backend needs redis-py: pip install 'django-dlock[redis]'"
     ) from e
 
-from .backend import STARVE_AFTER, WAIT_CAP, RedisBackend, RedisLocks
+# The public API is the backends named in DLOCK_BACKENDS (__all__, docs/api.rst).
+# The other names stay importable here, as the tests and docs/backends/redis.md
+# use them, but are the implementation's.
+from .backend import STARVE_AFTER as STARVE_AFTER
+from .backend import WAIT_CAP as WAIT_CAP
+from .backend import RedisBackend
+from .backend import RedisLocks as RedisLocks
 from .redlock import RedlockBackend
-from .scripts import HANDOVER_LEASE_MS, SIGNAL_TTL_MS, WAITER_LEASE_MS
+from .scripts import HANDOVER_LEASE_MS as HANDOVER_LEASE_MS
+from .scripts import SIGNAL_TTL_MS as SIGNAL_TTL_MS
+from .scripts import WAITER_LEASE_MS as WAITER_LEASE_MS
 
-__all__ = [
-    "HANDOVER_LEASE_MS",
-    "SIGNAL_TTL_MS",
-    "STARVE_AFTER",
-    "WAITER_LEASE_MS",
-    "WAIT_CAP",
-    "RedisBackend",
-    "RedisLocks",
-    "RedlockBackend",
-]
+__all__ = ["RedisBackend", "RedlockBackend"]

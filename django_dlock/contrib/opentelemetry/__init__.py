@@ -44,6 +44,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "pip install 'django-dlock[opentelemetry]'."
     ) from e
 
+__all__ = ["SCOPE", "Tracing", "install", "uninstall"]
+
 from ... import signals
 from ...held import HeldLock
 from .. import Installation, Receivers

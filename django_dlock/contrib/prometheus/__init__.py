@@ -71,6 +71,20 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "pip install 'django-dlock[prometheus]'."
     ) from e
 
+__all__ = [
+    "HOLD_BUCKETS",
+    "MAX_PATTERNS",
+    "MAX_PATTERN_LENGTH",
+    "NO_PREFIX",
+    "OTHER",
+    "WAIT_BUCKETS",
+    "Metrics",
+    "install",
+    "metrics_view",
+    "name_pattern",
+    "uninstall",
+]
+
 from ... import signals
 from ...held import HeldLock
 from ...watchdog import get_watchdog
