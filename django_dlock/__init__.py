@@ -8,7 +8,7 @@ The public API::
         held.token      # fencing token, strictly increasing per name
         held.ensure()   # raises LockLost if the lease is gone
 
-See docs/ for the guarantees each backend gives.
+The documentation (its Guarantees page) says what each backend guarantees.
 """
 
 from .backends.base import LockInfo, SemaphoreInfo, ServerStatus
