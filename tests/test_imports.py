@@ -176,9 +176,18 @@ def test_signals_is_a_leaf() -> None:
 MAX_LINES = 600
 
 
+#: The first line of the modules scripts/gen_etcd_stubs.py writes: protoc's
+#: output, not code of ours to size (the gRPC service stubs alone are 2,000 lines).
+GENERATED = "# Written by scripts/gen_etcd_stubs.py"
+
+
 @pytest.mark.parametrize("module", sorted(_modules()))
 def test_no_module_is_over_600_lines(module: str) -> None:
-    lines = len(_modules()[module].read_text().splitlines())
+    text = _modules()[module].read_text()
+    if text.startswith(GENERATED):
+        assert module.startswith("django_dlock.backends.etcd.etcdrpc."), module
+        return
+    lines = len(text.splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines, over {MAX_LINES}"
 
 
