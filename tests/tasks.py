@@ -218,3 +218,9 @@ def broken_midway(self: Any, key: str) -> str:
     """Its lock is broken while the body runs, as an operator would (``locks break``)."""
     assert locks["celery"].break_lock(self.lock.name)
     return "done"
+
+
+@locked_task(key="limited-skip:{key}", backend="celery", limit=2, ttl=30, bind=True)
+def limited_skip(self: Any, key: str, log: str, go: str | None = None) -> int:
+    """At most two bodies per key; a third call is skipped (the default ``on_locked``)."""
+    return _body(self, key, log, go)

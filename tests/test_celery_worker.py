@@ -176,6 +176,27 @@ def test_queue_scope_enqueues_once_per_key(worker: Worker, log: str) -> None:
     eventually(lambda: held(f"dedup-q:{run}") == [], 10, "queue leases released")
 
 
+def test_a_copy_of_a_message_holding_a_slot_stores_nothing(redis_worker: Worker, log: str) -> None:
+    """With ``limit``, a copy of a running message (same id) is skipped: it must not store
+    REVOKED under the id of the run that holds the slot, as a different message's skip does."""
+    key = f"slot-copy-{uuid.uuid4().hex[:6]}"
+    go = f"{log}.go"
+    first = redis_worker.send(tasks.limited_skip, key, log, go)
+    redis_worker.send(tasks.limited_skip, key, log, go)
+    eventually(lambda: len(tasks.read_log(log)) == 2, 30, "both slots taken")
+    redis_worker.send(tasks.limited_skip, key, log, go, task_id=first.id)  # the copy
+    other = redis_worker.send(tasks.limited_skip, key, log, go)
+    broker = redis.Redis.from_url(redis_worker.broker)
+    eventually(lambda: redis_worker.result(other).ready(), 30, "the third message skipped")
+    eventually(lambda: broker.llen(redis_worker.queue) == 0, 30, "the copy taken by the worker")
+    time.sleep(1)  # the copy's skip would have stored by now
+    assert redis_worker.result(other).state == "REVOKED"
+    assert redis_worker.result(first).state != "REVOKED"
+    Path(go).touch()
+    assert redis_worker.get(first) in [e["token"] for e in tasks.read_log(log)]
+    assert len(tasks.read_log(log)) == 2
+
+
 def test_a_message_delivered_twice_runs_its_body_once(redis_worker: Worker, log: str) -> None:
     """Redelivery (acks_late, a visibility timeout) hands the worker the same message again.
 

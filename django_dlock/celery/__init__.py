@@ -307,12 +307,13 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
         message it discards, and the run ends with ``Ignore`` so that the
         worker does not overwrite it. A direct or eager call returns None.
 
-        A copy of the message that holds the key (redelivered, or sent twice
-        with its id) stores nothing: the result is the running one's.
+        A copy of the message that holds the key, or one of its slots with a
+        ``limit`` (redelivered, or sent twice with its id), stores nothing:
+        the result is the running one's.
         """
         if request is None or request.called_directly or getattr(request, "is_eager", False):
             return None
-        if skipped.holder_task_id == request.id:
+        if self._held_by_message(skipped, request.id):
             raise Ignore()
         self.backend.mark_as_revoked(
             request.id,
@@ -321,6 +322,26 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
             store_result=not self.ignore_result or self.store_errors_even_if_ignored,
         )
         raise Ignore()
+
+    def _held_by_message(self, skipped: Skipped, task_id: str) -> bool:
+        """Whether the message ``task_id`` holds the skipped key: its mutex, or a slot of it.
+
+        A semaphore's holders are looked up here (the skip's log names none).
+        A lookup that fails says no: the skip is then stored.
+        """
+        if skipped.holder_task_id == task_id:
+            return True
+        options = self.lock_options
+        if options.limit is None:
+            return False
+        try:
+            info = locks[options.backend].semaphore(skipped.key)
+        except Exception:
+            logger.debug("Could not look up the slots of %r", skipped.key, exc_info=True)
+            return False
+        return info is not None and any(
+            lease.holder.get("task_id") == task_id for lease in info.holders
+        )
 
     def _park(
         self, key: str, task_id: str | None, request: Any, args: Any, kwargs: Any
