@@ -42,6 +42,7 @@ from functools import partial
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
+import django
 from django.contrib import admin, messages
 from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.contenttypes.models import ContentType
@@ -72,6 +73,17 @@ KINDS = {"mutex": "Locks", "semaphore": "Semaphores", "rwlock": "Read/write lock
 SLOT_KINDS = ("semaphore", "rwlock")
 #: Seconds the Locks pages wait for the backends to answer (``LockAdmin.listing_timeout``).
 LISTING_TIMEOUT = 5.0
+
+
+def _layout() -> dict[str, bool]:
+    """The admin markup our pages copy, which Django 6.1 changed.
+
+    From 6.1 the breadcrumbs are an ``<ol>`` and a change list's filter sits
+    first inside ``.changelist-form-container`` (a flex box that puts it on
+    the right); before, a ``<div>`` and a sibling of the container. Markup of
+    the other version breaks the page's layout (its CSS styles only its own).
+    """
+    return {"admin_61_layout": django.VERSION >= (6, 1)}
 
 
 @admin.register(LockListing)
@@ -144,6 +156,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
         context = {
             **self.admin_site.each_context(request),
+            **_layout(),
             "opts": self.opts,
             "title": "Locks",
             "subtitle": None,
@@ -236,6 +249,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         if request.POST.get("confirm") != "yes":
             context = {
                 **self.admin_site.each_context(request),
+                **_layout(),
                 "opts": self.opts,
                 "title": "Are you sure?",
                 "subtitle": None,

@@ -599,3 +599,27 @@ def test_list_and_free_a_slot_on_every_backend(
         held[1].release()
         with contextlib.suppress(LockLost):
             held[0].release()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("django_61", [False, True], ids=["before-6.1", "6.1"])
+def test_the_pages_follow_the_admin_markup_of_the_running_django(
+    held_lock: Any, admin_client: Client, monkeypatch: pytest.MonkeyPatch, django_61: bool
+) -> None:
+    """Django 6.1 made the breadcrumbs an <ol> and put a change list's filter inside
+    .changelist-form-container: the old markup broke the page there (the filter under the
+    table, the toolbar squeezed, the page wider than the window). Seen in a browser on 6.1.3;
+    this checks the markup each version's CSS expects."""
+    monkeypatch.setattr("django.VERSION", (6, 1, 0, "final", 0) if django_61 else (5, 2, 0))
+    page = admin_client.get(reverse(CHANGELIST)).content.decode()
+    confirm = admin_client.post(reverse(BREAK), break_form(held_lock)).content.decode()
+    container = page.index('<div class="changelist-form-container">')
+    filters = page.index('<nav id="changelist-filter"')
+    form_end = page.index('<p class="paginator">')
+    for html_page in (page, confirm):
+        assert ('<ol class="breadcrumbs">' in html_page) == django_61
+        assert ('<div class="breadcrumbs">' in html_page) != django_61
+    # Inside the container, first (6.1), or after the list, its sibling (before).
+    assert (container < filters < form_end) == django_61
+    assert (filters > form_end) != django_61
+    assert page.count('<nav id="changelist-filter"') == 1
