@@ -118,7 +118,7 @@ packaging: $(STAMP)
 # The release as users get it (scripts/release_check.py): sdist and wheel,
 # twine check --strict, the sdist's contents, then the wheel with every extra
 # installed from wheels only into fresh virtualenvs on Python 3.10 + Django 4.2,
-# 3.12 + 6.0 and 3.13 + 5.2 (pyenv's), each running migrate, check, a lock, a
+# 3.12 + 6.0, 3.13 + 5.2 and 3.12 + 6.1 (pyenv's), each running migrate, check, a lock, a
 # locked Celery task and a locked task-framework task. CI runs it.
 release-check: $(STAMP)
 	$(BIN)/python scripts/release_check.py $(RELEASE_CHECK_ARGS)

@@ -4,7 +4,8 @@
 2. Checks what the sdist holds: the package, its licence, README and
    changelog, and no tests (docs/development.md: the suite needs the
    repository).
-3. For each interpreter and Django pair below, in a fresh virtualenv: installs
+3. For each interpreter and Django pair below (3.10 + 4.2, 3.12 + 6.0,
+   3.13 + 5.2, and 3.12 + 6.1, what an unpinned install resolves today), in a fresh virtualenv: installs
    the wheel with every extra from wheels only (`pip install --only-binary
    :all:`: a dependency that needs a compiler fails here, not on a user's
    machine), makes a project with `django-admin startproject`, adds
@@ -272,7 +273,7 @@ def smoke(python: str, django: str, extras: str, wheel: Path, work: Path) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--keep", action="store_true", help="keep the virtualenvs and projects")
-    parser.add_argument("--only", help="only this Python version (3.10, 3.12 or 3.13)")
+    parser.add_argument("--only", help="only the pairs of this Python version (3.10, 3.12, 3.13)")
     options = parser.parse_args()
     started = time.monotonic()
     print("release-check: build")
@@ -285,7 +286,7 @@ def main() -> None:
             if options.only and options.only != version:
                 continue
             print(f"release-check: Python {version} + Django {django}")
-            pair = work / f"py{version}"
+            pair = work / f"py{version}-django{django}"
             pair.mkdir()
             smoke(interpreter(version), django, extras, wheel, pair)
     finally:
