@@ -7,12 +7,12 @@
 3. For each interpreter and Django pair below (3.10 + 4.2, 3.12 + 6.0,
    3.13 + 5.2, and 3.12 + 6.1, what an unpinned install resolves today), in
    a fresh virtualenv: installs the wheel with every extra from wheels only
-   (`pip install --only-binary :all:`: a dependency that needs a compiler fails here, not on a user's
-   machine), makes a project with `django-admin startproject`, adds
-   django_dlock and a small app, and runs `migrate`, `check`, a lock, a
-   locked Celery task (eager) and a locked task of Django's task framework
-   (django.tasks on Django 6, the django-tasks package before it, on its
-   ImmediateBackend).
+   (`pip install --only-binary :all:`: a dependency that needs a compiler
+   fails here, not on a user's machine), makes a project with `django-admin
+   startproject`, adds django_dlock and a small app, and runs `migrate`,
+   `check`, a lock, a locked Celery task (eager) and a locked task of
+   Django's task framework (django.tasks on Django 6, the django-tasks
+   package before it, on its ImmediateBackend).
 
 Usage: python scripts/release_check.py [--keep] [--only 3.12]
 Exit 0 when every step passed; the first failure prints its output and exits 1.
