@@ -449,9 +449,12 @@ def test_limit_and_defer_on_a_backend_without_them_are_check_errors_at_startup()
         assert ("django_dlock.E011", task) in found
     assert all(m.is_serious() for m in messages)
     assert all("'celery'" in m.msg and "RedlockBackend" in m.msg for m in messages)
+    # limited_skip: limit=N and the default on_locked ("skip"), so E010 only.
+    assert ("django_dlock.E010", "tests.tasks.limited_skip") in found
+    assert ("django_dlock.E011", "tests.tasks.limited_skip") not in found
     # Tasks with neither are fine there.
     ours = {task for _, task in found if task.startswith("tests.tasks.")}
-    assert ours == {"tests.tasks.limited", "tests.tasks.limited_one"}
+    assert ours == {"tests.tasks.limited", "tests.tasks.limited_one", "tests.tasks.limited_skip"}
 
 
 def test_park_and_unpark_refuse_a_backend_without_a_parking_queue() -> None:
