@@ -31,7 +31,7 @@ from contextvars import ContextVar
 from types import SimpleNamespace
 from typing import Any, TypeVar, cast
 
-from asgiref.sync import iscoroutinefunction
+from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.core.exceptions import BadRequest
 from django.http import HttpRequest, HttpResponse
 
@@ -56,18 +56,34 @@ LOCKED = 423
 TOO_MANY = 429
 
 
+#: The fields that name the request's user rather than a URL argument.
+USER_FIELDS = frozenset({"user", "user_pk"})
+_USER_UNREAD: Any = object()
+
+
 def view_lock_name(
-    template: str | KeyTemplate, request: HttpRequest, view_kwargs: Mapping[str, Any]
+    template: str | KeyTemplate,
+    request: HttpRequest,
+    view_kwargs: Mapping[str, Any],
+    *,
+    user: Any = _USER_UNREAD,
 ) -> str:
     """The lock name ``template`` gives for this request.
 
     Fields name the URL's keyword arguments, ``user`` (``request.user``) and
-    ``user_pk``; a field naming anything else raises ``ValueError``.
+    ``user_pk``; a field naming anything else raises ``ValueError``. The user
+    is read only for a template that names it: ``request.user`` loads the
+    session and the user from the database (and makes the response vary on
+    the cookie), which an async view may not do on its event loop. An async
+    caller reads it first (``await request.auser()``) and passes ``user``.
     """
     if not isinstance(template, KeyTemplate):
         template = keys.parse(template)
-    user = getattr(request, "user", None)
-    fields = {**view_kwargs, "user": user, "user_pk": getattr(user, "pk", None)}
+    fields = dict(view_kwargs)
+    if template.fields & USER_FIELDS:
+        if user is _USER_UNREAD:
+            user = getattr(request, "user", None)
+        fields.update(user=user, user_pk=getattr(user, "pk", None))
     try:
         return template.fill(fields)
     except KeyError as e:
@@ -146,14 +162,16 @@ class _Guard:
             Lock(key, **options) if limit is None else Semaphore(key, limit=limit, **options)
         )
 
-    def name_for(self, request: HttpRequest, view_kwargs: Mapping[str, Any]) -> str:
+    def name_for(
+        self, request: HttpRequest, view_kwargs: Mapping[str, Any], user: Any = _USER_UNREAD
+    ) -> str:
         """The request's lock name; one no lock service can store is the client's error (400).
 
         The URL's arguments come from the client: ``/orders/a%00b/`` gives a
         name with a NUL character, which ``acquire()`` refuses with
         ``ValueError``, and that was a 500.
         """
-        name = view_lock_name(self.template, request, view_kwargs)
+        name = view_lock_name(self.template, request, view_kwargs, user=user)
         try:
             return validate_name(name)
         except ValueError as e:
@@ -191,7 +209,15 @@ class _Guard:
     async def arun(
         self, request: HttpRequest, view_kwargs: Mapping[str, Any], call: Callable[[], Any]
     ) -> Any:
-        name = self.name_for(request, view_kwargs)
+        user = _USER_UNREAD
+        if self.template.fields & USER_FIELDS:
+            # request.user queries the database: not on the event loop.
+            auser = getattr(request, "auser", None)  # AuthenticationMiddleware, Django 5+
+            if auser is not None:
+                user = await auser()
+            else:
+                user = await sync_to_async(_request_user)(request)
+        name = self.name_for(request, view_kwargs, user)
         try:
             # Native where the backend is.
             held = await self.lock.aacquire_handle(name=name, template=self.template.template)
@@ -209,6 +235,10 @@ class _Guard:
                 return await call()
         finally:
             await held.arelease_quietly()
+
+
+def _request_user(request: HttpRequest) -> Any:
+    return getattr(request, "user", None)
 
 
 #: The leases of the guarded views running in this thread or task, innermost last.

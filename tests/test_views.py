@@ -8,8 +8,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from django.db import connection
 from django.http import HttpResponse
 from django.test import AsyncClient, Client, override_settings
+from django.test.utils import CaptureQueriesContext
 
 from django_dlock import lock
 from tests import views
@@ -327,3 +329,40 @@ def test_a_class_based_view_s_bad_options_raise_where_it_is_defined_or_made() ->
     del view, found, Plain
     gc.collect()
     assert not [m for m in checks.run_checks() if str(m.obj).endswith(".Plain")]
+
+
+SESSIONS_AND_AUTH = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+]
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(MIDDLEWARE=SESSIONS_AND_AUTH)
+def test_an_async_guarded_view_serves_a_logged_in_user(django_user_model: Any) -> None:
+    """request.user loads the session and the user from the database, which Django refuses
+    on the event loop: every async guarded view answered 500 to a logged-in user. The user
+    is now read only for a key that names it, and then with ``await request.auser()``."""
+    user = django_user_model.objects.create_user("async-buyer", password="pw")
+    client = AsyncClient()
+    client.force_login(user)
+
+    async def scenario() -> tuple[Any, Any]:
+        return await client.get("/async/pay/31/"), await client.get("/async/cart/")
+
+    paid, cart = asyncio.run(scenario())
+    assert (paid.status_code, paid.content) == (200, b"paid 31")
+    assert (cart.status_code, cart.content.decode()) == (200, f"cart:{user.pk}")
+
+
+@pytest.mark.django_db
+@override_settings(MIDDLEWARE=SESSIONS_AND_AUTH)
+def test_a_key_without_the_user_does_not_read_the_session(django_user_model: Any) -> None:
+    """Reading request.user costs two queries and makes the response vary on the cookie."""
+    client = Client()
+    client.force_login(django_user_model.objects.create_user("buyer", password="pw"))
+    with CaptureQueriesContext(connection) as queries:
+        response = client.get("/409/order/32/")  # locmem: no query of its own
+    assert response.status_code == 200
+    assert "Cookie" not in response.get("Vary", "")
+    assert len(queries) == 0

@@ -14,6 +14,8 @@ urlpatterns = [
     path("cart/", views.cart),
     path("misnamed/<int:order_id>/", views.misnamed),
     path("async/order/<int:order_id>/", views.async_order),
+    path("async/pay/<int:order_id>/", views.async_pay),
+    path("async/cart/", views.async_cart),
     path("class/order/<int:order_id>/", views.OrderView.as_view()),
     path("async-class/order/<int:order_id>/", views.AsyncOrderView.as_view()),
     path("export/<str:kind>/", views.export),

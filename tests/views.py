@@ -49,6 +49,16 @@ def cart(request: HttpRequest) -> HttpResponse:
     return HttpResponse("cart")
 
 
+@lock_view("pay:{order_id}", backend="locmem")
+async def async_pay(request: HttpRequest, order_id: int) -> HttpResponse:
+    return HttpResponse(f"paid {order_id}")
+
+
+@lock_view("cart:{user_pk}", backend="locmem")
+async def async_cart(request: HttpRequest) -> HttpResponse:
+    return HttpResponse(request.dlock.name)  # type: ignore[attr-defined]
+
+
 @lock_view("order:{missing}", backend="locmem")
 def misnamed(request: HttpRequest, order_id: int) -> HttpResponse:
     return HttpResponse("never")
