@@ -31,7 +31,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone, tzinfo
+from datetime import date, datetime, time, timezone, tzinfo
 from typing import Any
 
 from django.utils import timezone as dj_timezone
@@ -145,12 +145,21 @@ def hashed_key(task: str, arguments: Mapping[str, Any]) -> str:
     """The default key of a call: ``task``, then a hash of its arguments' JSON.
 
     SHA-256, so the key is the same in every process (``hash()`` is not).
+    A date or time is hashed as its ISO text: a message brings an aware
+    datetime back with a fixed-offset tzinfo, whose ``repr`` differs from the
+    caller's ``zoneinfo`` one, and the worker would compute another key.
     """
     try:
-        text = json.dumps(arguments, sort_keys=True, separators=(",", ":"), default=repr)
+        text = json.dumps(arguments, sort_keys=True, separators=(",", ":"), default=_json_default)
     except (TypeError, ValueError):
         text = repr(sorted(arguments.items(), key=lambda item: item[0]))
     return f"{task}:{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+
+
+def _json_default(value: Any) -> str:
+    if isinstance(value, (date, time)):  # datetime is a date
+        return value.isoformat()
+    return repr(value)
 
 
 def call_key(template: KeyTemplate, task: str, args: Any, kwargs: Any) -> str:

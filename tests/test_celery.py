@@ -768,3 +768,16 @@ def test_a_lease_broken_while_the_task_runs_is_one_warning_and_no_traceback(
     assert result.id in ended.getMessage()
     assert "was not protected by the lock" in ended.getMessage()
     assert held_names("broken:by-operator") == []
+
+
+def test_the_default_key_of_an_aware_datetime_survives_the_message() -> None:
+    """kombu's json brings an aware datetime back with a fixed-offset tzinfo: its repr is not
+    the caller's ZoneInfo one, so the worker computed another key, and in queue scope the run
+    ignored its ticket and the lease stayed held until its TTL."""
+    from kombu.utils.json import dumps, loads
+
+    sent = datetime(2026, 11, 28, 9, 30, tzinfo=ZoneInfo("Asia/Tokyo"))
+    arrived = loads(dumps({"args": [sent]}))["args"][0]
+    assert arrived == sent and repr(arrived) != repr(sent)
+    assert tasks.hashed.lock_key((arrived,)) == tasks.hashed.lock_key((sent,))
+    assert tasks.hashed.lock_key((sent,)) != tasks.hashed.lock_key((sent + timedelta(hours=1),))
