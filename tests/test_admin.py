@@ -623,3 +623,20 @@ def test_the_pages_follow_the_admin_markup_of_the_running_django(
     assert (container < filters < form_end) == django_61
     assert (filters > form_end) != django_61
     assert page.count('<nav id="changelist-filter"') == 1
+
+
+@pytest.mark.django_db
+@override_settings(TIME_ZONE="Asia/Tokyo")
+def test_the_time_the_list_was_taken_is_said_in_utc(held_lock: Any, admin_client: Client) -> None:
+    """The page says "at HH:MM:SS UTC": it printed the local time (TIME_ZONE) with that label."""
+    from datetime import datetime, timedelta, timezone
+
+    before = datetime.now(timezone.utc)
+    page = admin_client.get(reverse(CHANGELIST)).content.decode()
+    after = datetime.now(timezone.utc)
+    [said] = re.findall(r" at (\d\d:\d\d:\d\d) UTC</span>", page)
+    allowed = {
+        (before + timedelta(seconds=s)).strftime("%H:%M:%S")
+        for s in range(int((after - before).total_seconds()) + 2)
+    }
+    assert said in allowed, (said, sorted(allowed))
