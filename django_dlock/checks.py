@@ -17,7 +17,7 @@ Ids are stable and never reused (docs/checks.md lists them):
   backend without a parking queue.
 - ``django_dlock.W001``: Redlock over an even number of masters.
 - ``django_dlock.W002``: a locked Celery task's lock TTL is shorter than the
-  broker's ``visibility_timeout`` (registered by ``celery.py``).
+  broker's ``visibility_timeout`` (``django_dlock.celery``'s check, registered here).
 - ``django_dlock.W003``: not used (ids are never reused).
 - ``django_dlock.W004``: a ``LockedSaveMixin`` model (or an inline of one) is
   in an admin whose ``ModelAdmin`` is not a ``LockedModelAdminMixin``: a held
@@ -110,6 +110,26 @@ def check_locked_tasks(
             continue
         for name, options in module.locked_tasks():
             yield from _missing_parts(name, options)
+
+
+@checks.register()
+def check_visibility_timeouts(
+    app_configs: Iterable[AppConfig] | None = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """django_dlock.W002: a locked task whose lease may run out before its message is redelivered.
+
+    The check is ``django_dlock.celery.check_visibility_timeout``; it is
+    registered here, with the app: a project's tasks modules (and with them
+    the adapter) are often first imported while the checks run, which is
+    too late for a check the adapter registered itself.
+    """
+    if "celery" not in sys.modules:
+        return []
+    try:
+        celery_adapter = import_module("django_dlock.celery")
+    except ImportError:
+        return []
+    return list(celery_adapter.check_visibility_timeout())
 
 
 @checks.register(checks.Tags.urls)

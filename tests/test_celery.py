@@ -781,3 +781,15 @@ def test_the_default_key_of_an_aware_datetime_survives_the_message() -> None:
     assert arrived == sent and repr(arrived) != repr(sent)
     assert tasks.hashed.lock_key((arrived,)) == tasks.hashed.lock_key((sent,))
     assert tasks.hashed.lock_key((sent,)) != tasks.hashed.lock_key((sent + timedelta(hours=1),))
+
+
+def test_w002_is_registered_with_the_app_not_by_the_adapter() -> None:
+    """In Celery's Django layout the tasks modules, and so django_dlock.celery, are first
+    imported while the checks run: a check the adapter registered then never ran."""
+    from django.core.checks.registry import registry
+
+    from django_dlock import celery as adapter
+
+    registered = {(c.__module__, c.__name__) for c in registry.get_checks()}
+    assert ("django_dlock.checks", "check_visibility_timeouts") in registered
+    assert ("django_dlock.celery", adapter.check_visibility_timeout.__name__) not in registered

@@ -553,7 +553,6 @@ def locked_tasks() -> Iterator[tuple[str, LockOptions]]:
             yield name, task.lock_options
 
 
-@checks.register()
 def check_visibility_timeout(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """django_dlock.W002: a locked task whose lease may run out before its message is redelivered.
 
