@@ -70,16 +70,24 @@ class HeldLock(LeaseAccounting):
     the process's watchdog renews the lease every ``ttl / 3`` seconds.
     """
 
-    #: The backend itself (``locks[alias]``), whatever the kind of lease.
+    # The backend itself (``locks[alias]``), whatever the kind of lease.
     backend: LockService
-    #: The kind of lease (``backends/ops.py``): a mutex, or a slot of a
-    #: semaphore or read/write lock; every call to the lease goes through it.
+    # The kind of lease (``backends/ops.py``): a mutex, or a slot of a
+    # semaphore or read/write lock; every call to the lease goes through it.
     ops: LeaseOps
+    #: The lock's name.
     name: str
+    #: The fencing token: an integer strictly increasing per name, never reused.
     token: int
+    #: The owner id the lock service stores with the lease (unique per acquisition).
     owner: str
+    #: The lease's length in seconds, as last granted (``extend()`` changes it).
     ttl: float
+    #: The holder metadata stored with the lease (host, pid, thread, what was
+    #: passed as ``metadata=``); what ``manage.py locks`` shows.
     holder: dict[str, Any]
+    #: Why the lease was found lost (a renewal or release was refused, it ran
+    #: out), or None while it was not.
     lost_reason: str | None
     _mutex: threading.Lock
     _state: str
@@ -98,9 +106,9 @@ class HeldLock(LeaseAccounting):
     #: The key template the name was made from (``@lock``, ``@locked_task``,
     #: guarded views), else None: the pattern metrics label it by.
     template: str | None
-    #: The watchdog's: a renewal is queued or under way.
+    # The watchdog's: a renewal is queued or under way.
     renewing: bool
-    #: The watchdog's: bumped whenever it (re)schedules or cancels this handle.
+    # The watchdog's: bumped whenever it (re)schedules or cancels this handle.
     watchdog_generation: int
 
     def __init__(
@@ -202,10 +210,12 @@ class HeldLock(LeaseAccounting):
 
     @property
     def alias(self) -> str:
+        """The ``DLOCK_BACKENDS`` alias of the backend that holds the lease."""
         return self.backend.alias
 
     @property
     def released(self) -> bool:
+        """True once :meth:`release` (or the end of the ``with`` block) let the lease go."""
         return self._state == RELEASED
 
     @property
