@@ -13,7 +13,8 @@ lock={...})`` works as well. Lock options (``docs/celery.md`` has the table):
     The ``DLOCK_BACKENDS`` alias.
 ``on_locked``
     What a call does when its lock is held: ``"skip"`` (log, send
-    ``task_skipped``, return None), ``"retry"`` (``self.retry()``),
+    ``task_skipped``; a worker stores the message as ``REVOKED``, an eager
+    or direct call returns None), ``"retry"`` (``self.retry()``),
     ``"raise"`` (``LockTimeout``), ``"wait"`` (up to ``timeout`` seconds) or
     ``"defer"``: park the call in the lock service and re-enqueue it when a
     run of the same key ends (see "Deferred calls" below).
