@@ -437,9 +437,11 @@ class BaseLockBackend:
         ops = self.ops(limit, weight)
         if template is not None and not isinstance(template, str):
             raise TypeError(f"template must be a str or None, not {type(template).__name__}.")
-        deadline = None if timeout is None else time.monotonic() + timeout
         holder = holder_metadata(ttl, metadata)
         attempt = ops.attempt(name, new_owner(), ttl, holder, renew, template)
+        # From the attempt's own start: the wait lock_timeout reports
+        # (``waited``) then covers the whole timeout, not a little less.
+        deadline = None if timeout is None else attempt.started + timeout
         return ops, attempt, timeout, deadline
 
     def adopt(
