@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
@@ -107,3 +108,25 @@ html_title = "django-dlock"
 # Wide tables scroll in their own box, with columns kept readable (tables.css).
 html_static_path = ["_static"]
 html_css_files = ["tables.css"]
+
+
+# Handles are made by the backends, never by callers: HeldLock's page shows
+# its attributes, not its constructor's parameters, which autodoc_typehints =
+# "description" would list from __init__ (the directive already hides the
+# signature). Run after autodoc recorded them (its handler has priority 500);
+# where they are kept differs between Sphinx versions.
+NO_CONSTRUCTOR_TYPES = {"django_dlock.HeldLock"}
+
+
+def _drop_constructor_types(app: Any, what: str, name: str, *args: Any) -> None:
+    if what != "class" or name not in NO_CONSTRUCTOR_TYPES:
+        return
+    document = getattr(app.env, "current_document", None)
+    kept = getattr(document, "autodoc_annotations", None)
+    if kept is None:
+        kept = app.env.temp_data.get("annotations", {})
+    kept.pop(name, None)
+
+
+def setup(app: Any) -> None:
+    app.connect("autodoc-process-signature", _drop_constructor_types, priority=900)
