@@ -157,7 +157,10 @@ def hashed_key(task: str, arguments: Mapping[str, Any]) -> str:
 
 
 def _json_default(value: Any) -> str:
-    if isinstance(value, (date, time)):  # datetime is a date
+    if isinstance(value, datetime) and value.utcoffset() is not None:
+        # One instant, one key, whatever zone it was written in.
+        return value.astimezone(timezone.utc).isoformat()
+    if isinstance(value, (date, time)):  # a naive datetime is a date too
         return value.isoformat()
     return repr(value)
 

@@ -72,18 +72,20 @@ def view_lock_name(
 
     Fields name the URL's keyword arguments, ``user`` (``request.user``) and
     ``user_pk``; a field naming anything else raises ``ValueError``. The user
-    is read only for a template that names it: ``request.user`` loads the
-    session and the user from the database (and makes the response vary on
-    the cookie), which an async view may not do on its event loop. An async
-    caller reads it first (``await request.auser()``) and passes ``user``.
+    is read only for a template that names it and no URL argument of that
+    name gives it (a URL argument wins: ``staff/users/<user_pk>/`` locks that
+    user, not the one asking): ``request.user`` loads the session and the
+    user from the database (and makes the response vary on the cookie), which
+    an async view may not do on its event loop. There, read it in a thread
+    first and pass it as ``user``, as guarded async views do.
     """
     if not isinstance(template, KeyTemplate):
         template = keys.parse(template)
     fields = dict(view_kwargs)
-    if template.fields & USER_FIELDS:
+    if (template.fields & USER_FIELDS) - set(view_kwargs):
         if user is _USER_UNREAD:
             user = getattr(request, "user", None)
-        fields.update(user=user, user_pk=getattr(user, "pk", None))
+        fields = {"user": user, "user_pk": getattr(user, "pk", None), **view_kwargs}
     try:
         return template.fill(fields)
     except KeyError as e:
@@ -210,13 +212,12 @@ class _Guard:
         self, request: HttpRequest, view_kwargs: Mapping[str, Any], call: Callable[[], Any]
     ) -> Any:
         user = _USER_UNREAD
-        if self.template.fields & USER_FIELDS:
-            # request.user queries the database: not on the event loop.
-            auser = getattr(request, "auser", None)  # AuthenticationMiddleware, Django 5+
-            if auser is not None:
-                user = await auser()
-            else:
-                user = await sync_to_async(_request_user)(request)
+        if (self.template.fields & USER_FIELDS) - set(view_kwargs):
+            # request.user queries the database: in a thread, not on the event
+            # loop. request.user, not await request.auser(): a middleware that
+            # sets request.user (RemoteUserMiddleware, a token middleware)
+            # leaves auser() answering AnonymousUser, and sync views read it too.
+            user = await sync_to_async(_request_user)(request)
         name = self.name_for(request, view_kwargs, user)
         try:
             # Native where the backend is.
@@ -238,7 +239,10 @@ class _Guard:
 
 
 def _request_user(request: HttpRequest) -> Any:
-    return getattr(request, "user", None)
+    """``request.user``, loaded here: it is a lazy object that queries when first read."""
+    user = getattr(request, "user", None)
+    getattr(user, "pk", None)  # evaluates the lazy object in this thread
+    return user
 
 
 #: The leases of the guarded views running in this thread or task, innermost last.

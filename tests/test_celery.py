@@ -781,6 +781,9 @@ def test_the_default_key_of_an_aware_datetime_survives_the_message() -> None:
     assert arrived == sent and repr(arrived) != repr(sent)
     assert tasks.hashed.lock_key((arrived,)) == tasks.hashed.lock_key((sent,))
     assert tasks.hashed.lock_key((sent,)) != tasks.hashed.lock_key((sent + timedelta(hours=1),))
+    # One instant, one key, in whatever zone it was written (now() and localtime()).
+    in_utc = sent.astimezone(ZoneInfo("UTC"))
+    assert tasks.hashed.lock_key((in_utc,)) == tasks.hashed.lock_key((sent,))
 
 
 def test_w002_is_registered_with_the_app_not_by_the_adapter() -> None:

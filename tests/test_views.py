@@ -366,3 +366,29 @@ def test_a_key_without_the_user_does_not_read_the_session(django_user_model: Any
     assert response.status_code == 200
     assert "Cookie" not in response.get("Vary", "")
     assert len(queries) == 0
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(MIDDLEWARE=[*SESSIONS_AND_AUTH, "tests.views.HeaderUserMiddleware"])
+def test_an_async_view_keys_on_the_user_a_middleware_set(django_user_model: Any) -> None:
+    """A middleware that sets request.user (a token, RemoteUserMiddleware) leaves
+    request.auser() answering AnonymousUser: keyed on it, every user got "cart:None"."""
+    alice = django_user_model.objects.create_user("alice", password="pw")
+    bob = django_user_model.objects.create_user("bob", password="pw")
+
+    async def scenario() -> list[Any]:
+        client = AsyncClient()
+        return [await client.get("/async/cart/", headers={"X-User": u}) for u in ("alice", "bob")]
+
+    names = [r.content.decode() for r in asyncio.run(scenario())]
+    assert names == [f"cart:{alice.pk}", f"cart:{bob.pk}"]
+
+
+@pytest.mark.django_db
+@override_settings(MIDDLEWARE=SESSIONS_AND_AUTH)
+def test_a_url_argument_named_like_the_user_field_wins(django_user_model: Any) -> None:
+    """staff/users/<user_pk>/reset/ locks the user in the URL, not the staff member asking."""
+    staff = django_user_model.objects.create_user("staff", password="pw")
+    client = Client()
+    client.force_login(staff)
+    assert client.get("/staff/users/7/reset/").content.decode() == "reset:7"

@@ -16,6 +16,7 @@ urlpatterns = [
     path("async/order/<int:order_id>/", views.async_order),
     path("async/pay/<int:order_id>/", views.async_pay),
     path("async/cart/", views.async_cart),
+    path("staff/users/<int:user_pk>/reset/", views.reset_password),
     path("class/order/<int:order_id>/", views.OrderView.as_view()),
     path("async-class/order/<int:order_id>/", views.AsyncOrderView.as_view()),
     path("export/<str:kind>/", views.export),

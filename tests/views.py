@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 from django.views import View
@@ -57,6 +58,26 @@ async def async_pay(request: HttpRequest, order_id: int) -> HttpResponse:
 @lock_view("cart:{user_pk}", backend="locmem")
 async def async_cart(request: HttpRequest) -> HttpResponse:
     return HttpResponse(request.dlock.name)  # type: ignore[attr-defined]
+
+
+@lock_view("reset:{user_pk}", backend="locmem")
+def reset_password(request: HttpRequest, user_pk: int) -> HttpResponse:
+    return HttpResponse(request.dlock.name)  # type: ignore[attr-defined]
+
+
+class HeaderUserMiddleware:
+    """Sets request.user from an X-User header, as token or SSO middleware do."""
+
+    def __init__(self, get_response: Any) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> Any:
+        from django.contrib.auth import get_user_model
+
+        username = request.headers.get("X-User")
+        if username:
+            request.user = get_user_model().objects.get(username=username)
+        return self.get_response(request)
 
 
 @lock_view("order:{missing}", backend="locmem")
