@@ -282,7 +282,7 @@ class LockedTask(Task, PolicyMixin):  # type: ignore[type-arg,unused-ignore]
         self, key: str, ttl: float | None, renew: bool, task_id: str | None, args: Any, kwargs: Any
     ) -> HeldLock | Skipped:
         """Acquire for a run (``renew``) or an enqueue, else do what ``on_locked`` says."""
-        acquired = self.policy.acquire(
+        return self.policy.acquire(
             key,
             ttl=ttl,
             renew=renew,
@@ -291,8 +291,6 @@ class LockedTask(Task, PolicyMixin):  # type: ignore[type-arg,unused-ignore]
             args=args,
             kwargs=kwargs,
         )
-        assert acquired is not None  # no refused(): "skip" or a lease, else LockTimeout
-        return acquired
 
     # --- enqueueing -------------------------------------------------------------------
 

@@ -309,8 +309,8 @@ class TaskPolicy:
         worker: str | None,
         args: Any,
         kwargs: Any,
-        refused: Callable[[LockTimeout], HeldLock | None] | None = None,
-    ) -> HeldLock | Skipped | None:
+        refused: Callable[[LockTimeout], HeldLock] | None = None,
+    ) -> HeldLock | Skipped:
         """Acquire for a run (``renew``) or a message, else do what ``on_locked`` says.
 
         ``"raise"`` and ``"wait"`` raise ``LockTimeout``; ``"skip"``

@@ -82,7 +82,7 @@ def view_lock_name(
     if not isinstance(template, KeyTemplate):
         template = keys.parse(template)
     fields = dict(view_kwargs)
-    if (template.fields & USER_FIELDS) - set(view_kwargs):
+    if _reads_user(template, view_kwargs):
         if user is _USER_UNREAD:
             user = getattr(request, "user", None)
         fields = {"user": user, "user_pk": getattr(user, "pk", None), **view_kwargs}
@@ -212,7 +212,7 @@ class _Guard:
         self, request: HttpRequest, view_kwargs: Mapping[str, Any], call: Callable[[], Any]
     ) -> Any:
         user = _USER_UNREAD
-        if (self.template.fields & USER_FIELDS) - set(view_kwargs):
+        if _reads_user(self.template, view_kwargs):
             # request.user queries the database: in a thread, not on the event
             # loop. request.user, not await request.auser(): a middleware that
             # sets request.user (RemoteUserMiddleware, a token middleware)
@@ -236,6 +236,11 @@ class _Guard:
                 return await call()
         finally:
             await held.arelease_quietly()
+
+
+def _reads_user(template: KeyTemplate, view_kwargs: Mapping[str, Any]) -> bool:
+    """Whether the name needs the request's user: a user field no URL argument gives."""
+    return bool((template.fields & USER_FIELDS) - set(view_kwargs))
 
 
 def _request_user(request: HttpRequest) -> Any:

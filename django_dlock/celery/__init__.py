@@ -281,12 +281,12 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
         """Acquire for a run (``renew``) or a message, else do what ``on_locked`` says."""
         options = self.lock_options
 
-        def refused(e: LockTimeout) -> HeldLock | None:
+        def refused(e: LockTimeout) -> HeldLock:
             if options.on_locked == "retry":  # run scope only: LockOptions refuses it in queue
                 raise self.retry(exc=e, countdown=options.countdown) from e
             return self._park(key, task_id, request, args, kwargs)  # "defer"
 
-        acquired = self.policy.acquire(
+        return self.policy.acquire(
             key,
             ttl=ttl,
             renew=renew,
@@ -296,8 +296,6 @@ class LockedTask(PolicyMixin, Task):  # type: ignore[misc]
             kwargs=kwargs,
             refused=refused,
         )
-        assert acquired is not None  # refused() returns a lease or raises
-        return acquired
 
     def _skip_run(self, request: Any, skipped: Skipped) -> None:
         """End a run whose key is held: as REVOKED where a worker runs the message.
