@@ -1052,6 +1052,19 @@ def test_a_waiter_takes_the_lock_when_a_killed_holders_lease_ends(alias: str, na
     assert at - ends < 0.3, f"took the lock {at - ends:.2f}s after the lease ended"
 
 
+def test_a_refusal_in_the_holders_last_millisecond_rechecks_just_after_it(name: str) -> None:
+    """CI, stop 39: a refusal whose PTTL read 0 (the holder's lease in its last
+    millisecond) was taken for "unknown" and waited WAIT_CAP, a second, for a
+    wake-up that an expiry never pushes (the killed-holder test above lagged 1.00 s)."""
+    backend = locks["redis"]
+    assert isinstance(backend, RedisLocks)
+    _, attempt, _, _ = backend._begin(name, 5, None, None, True, None, 1, None)
+    assert backend._outcome(-1, attempt, time.monotonic()) is None  # the script's "PTTL 0"
+    assert attempt.holder_pttl_ms == 0
+    plan = backend._wait_plan(attempt, None)
+    assert plan is not None and plan[1] <= 0.002, plan
+
+
 def _lines(process: subprocess.Popen[str]) -> list[str]:
     """The lines ``process`` prints, collected by a thread as they come."""
     lines: list[str] = []

@@ -35,8 +35,9 @@ class RedisAttempt(Attempt):
     #: When it was first refused, by our clock (unfair waiters queue after
     #: STARVE_AFTER); None until then.
     since: float | None = None
-    #: The holder's lease left at the latest refusal, in ms (0: unknown).
-    holder_pttl_ms: int = 0
+    #: The holder's lease left at the latest refusal, in ms (None: unknown).
+    #: 0 is a lease within a millisecond of its end, not an unknown one.
+    holder_pttl_ms: int | None = None
     #: Once queued: (our clock when that attempt was sent, server clock in us).
     queued_at: tuple[float, int] | None = None
     #: A lease the previous holder handed over, seen by wait().

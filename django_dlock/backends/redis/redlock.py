@@ -306,7 +306,7 @@ class RedlockBackend(RedisLocks):
             int(r) for r in results if _answer(r) and not isinstance(r, list) and int(r) < 0
         ]
         # Wait on the soonest-expiring refusal.
-        self._refused(attempt, sent).holder_pttl_ms = -max(refusals) - 1 if refusals else 0
+        self._refused(attempt, sent).holder_pttl_ms = -max(refusals) - 1 if refusals else None
         return None
 
     def do_break(self, name: str, token: int | None) -> bool:

@@ -284,7 +284,7 @@ class Notifier:
                 # Free with waiters queued: a lease ran out. The first waiter
                 # here re-checks; its ACQUIRE hands the lock to the queue's head.
                 queued[0].wake()
-            elif pttl > 0:
+            elif pttl >= 0:  # 0: in its last millisecond
                 delay = min(delay, pttl / 1000 + 0.001)
             await asyncio.sleep(delay)
 
