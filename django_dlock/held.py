@@ -233,13 +233,17 @@ class HeldLock(LeaseAccounting):
 
     @property
     def expires_at(self) -> float:
-        """The ``time.monotonic()`` instant the lease runs out by our conservative estimate."""
-        return self._expires
+        """The ``time.monotonic()`` instant the lease runs out by our conservative estimate.
+
+        No later than the backend's ``session_end()``: on ZooKeeper, the
+        session timeout after the service last answered this process.
+        """
+        return min(self._expires, self.backend.session_end())
 
     @property
     def expires_in(self) -> float:
         """Seconds until the lease runs out by our conservative estimate, unless renewed."""
-        return self._expires - time.monotonic()
+        return min(self._expires, self.backend.session_end()) - time.monotonic()
 
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless the lock service confirms the lease is ours now.

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (Python, Django, extras). The health extra (django-health-check 4.x) needs
 # Django 5.2 or later, so Django 4.2 gets every other one.
-EXTRAS = "all,redis,etcd,celery,tasks,prometheus,opentelemetry,testing"
+EXTRAS = "all,redis,etcd,zookeeper,celery,tasks,prometheus,opentelemetry,testing"
 PAIRS = [
     ("3.10", "4.2", EXTRAS),
     ("3.12", "6.0", EXTRAS + ",health"),
@@ -107,6 +107,7 @@ assert task_result.return_value["n"] == 8, task_result.return_value
 assert task_result.return_value["token"] > 0
 
 import django_dlock.backends.etcd  # noqa: E402,F401  (the etcd extra's gRPC stubs import)
+import django_dlock.backends.zookeeper  # noqa: E402,F401  (the zookeeper extra: kazoo)
 
 print("smoke: ok")
 '''

@@ -3,6 +3,7 @@
 #   - headers to build mysqlclient (the MariaDB/MySQL driver Django supports);
 #   - redis-server and redis-cli, which the Redis tests run themselves;
 #   - etcd and etcdctl, which the etcd tests run themselves;
+#   - ZooKeeper (Debian's zookeeperd; Java comes with it), which the ZooKeeper tests run themselves;
 #   - Chromium, which the admin's browser test drives through Playwright;
 #   - PostgreSQL, MariaDB and RabbitMQ answering on loopback.
 # Idempotent: on a machine that has everything it only checks.
@@ -16,6 +17,8 @@ command -v redis-cli >/dev/null || need_apt+=(redis-tools)
 # The etcd tests start their own etcd members and drive `etcdctl lock` (etcd 3.4).
 command -v etcd >/dev/null || need_apt+=(etcd-server)
 command -v etcdctl >/dev/null || need_apt+=(etcd-client)
+# The ZooKeeper tests start their own servers from zookeeperd's zkServer.sh (not its service).
+[[ -x /usr/share/zookeeper/bin/zkServer.sh ]] || need_apt+=(zookeeperd)
 # The chaos run (make chaos) partitions the network inside namespaces it makes, with iptables.
 command -v iptables >/dev/null || need_apt+=(iptables)
 # The admin's browser test (tests/test_admin_browser.py) runs /usr/bin/chromium headless.

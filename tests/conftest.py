@@ -17,6 +17,7 @@ from tests.servers import (
     make_test_ca,
     start_cluster,
     start_etcd_cluster,
+    start_zookeeper,
 )
 
 #: The backend_alias parametrization over settings.CONFORMANCE_BACKENDS, the
@@ -143,6 +144,21 @@ def etcd_servers() -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
+def zookeeper_servers() -> Iterator[dict[str, Any]]:
+    """A standalone ZooKeeper server and a 3-server ensemble, each its own processes."""
+    ports = settings.ZK_PORTS
+    single = start_zookeeper(ports["single"])
+    ensemble = start_zookeeper(ports["ensemble"])
+    yield {"single": single[0], "ensemble": ensemble}
+    from django_dlock import locks
+
+    for backend in ("zookeeper", "zookeeper-ensemble"):
+        locks[backend].close()
+    for server in [*single, *ensemble]:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A test CA with server and client certificates for 127.0.0.1."""
     return make_test_ca(tmp_path_factory.mktemp("tls"))
@@ -156,6 +172,8 @@ def _servers_for_backend(request: pytest.FixtureRequest) -> None:
             request.getfixturevalue("redis_servers")
         elif alias.startswith("etcd"):
             request.getfixturevalue("etcd_servers")
+        elif alias.startswith("zookeeper"):
+            request.getfixturevalue("zookeeper_servers")
     elif request.node.path.name == "test_etcd.py":
         # Some of its tests use the "etcd" alias without asking for the servers:
         # under xdist no earlier test of the same process need have started them.
@@ -175,6 +193,8 @@ PING_VERSIONS = {
     "redlock": r"^Redis \d+\.\d+\.\d+$",
     "etcd": r"^etcd 3\.\d+\.\d+$",
     "etcd-cluster": r"^etcd 3\.\d+\.\d+$",
+    "zookeeper": r"^ZooKeeper 3\.\d+\.\d+$",
+    "zookeeper-ensemble": r"^ZooKeeper 3\.\d+\.\d+$",
 }
 
 
@@ -205,7 +225,8 @@ def _long_lived(thread: threading.Thread) -> bool:
     """Threads that live as long as the process by design.
 
     The watchdog and the etcd backend's watch stream, gRPC's own threads
-    that serve that stream (they end with it), and asgiref's executor thread.
+    that serve that stream (they end with it), a ZooKeeper client's (its session's
+    connection and callbacks), and asgiref's executor thread.
     """
     from asgiref.sync import SyncToAsync
 
@@ -214,7 +235,7 @@ def _long_lived(thread: threading.Thread) -> bool:
     target = getattr(thread, "_target", None)
     return thread.name.startswith("django-dlock-") or (
         getattr(target, "__module__", "") or ""
-    ).startswith("grpc.")
+    ).startswith(("grpc.", "kazoo."))
 
 
 @pytest.fixture(scope="session")

@@ -335,6 +335,144 @@ def start_etcd_cluster(ports: list[tuple[int, int]], prefix: str) -> list[EtcdSe
     return members
 
 
+#: Where Debian's zookeeperd (the "zookeeper" package) puts the server.
+ZK_SCRIPT = "/usr/share/zookeeper/bin/zkServer.sh"
+
+
+def zookeeper_installed() -> bool:
+    return os.path.exists(ZK_SCRIPT) and shutil.which("java") is not None
+
+
+def zk_command(port: int, word: str, timeout: float = 2.0) -> str:
+    """A four-letter word's reply (``ruok``, ``srvr``), or "" if none came."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            s.sendall(word.encode())
+            chunks = []
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        return b"".join(chunks).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class ZooKeeperServer(_ServerProcess):
+    """One ZooKeeper server (Debian's zookeeperd) with 100 ms ticks.
+
+    Sessions may then be 0.2 s to 2 s long (2 to 20 ticks), so a dead
+    holder's locks go within the conformance suite's lease lengths. ``ensemble``
+    maps server id -> (client port, quorum port, election port).
+    """
+
+    def __init__(self, sid: int, ensemble: dict[int, tuple[int, int, int]]) -> None:
+        self.sid = sid
+        self.ensemble = ensemble
+        self.client_port = ensemble[sid][0]
+        self.dir = Path(tempfile.mkdtemp(prefix=f"dlock-zk-{sid}-"))
+        self.process: subprocess.Popen[bytes] | None = None
+        (self.dir / "data").mkdir()
+        (self.dir / "data" / "myid").write_text(f"{sid}\n")
+        lines = [
+            "tickTime=100",
+            "initLimit=50",
+            "syncLimit=20",
+            f"dataDir={self.dir / 'data'}",
+            f"clientPort={self.client_port}",
+            "clientPortAddress=127.0.0.1",
+            "admin.enableServer=false",
+            "4lw.commands.whitelist=srvr,ruok,mntr,stat",
+            "maxClientCnxns=0",
+        ]
+        if len(ensemble) > 1:
+            for i, (_, quorum, election) in sorted(ensemble.items()):
+                lines.append(f"server.{i}=127.0.0.1:{quorum}:{election}")
+        (self.dir / "zoo.cfg").write_text("\n".join(lines) + "\n")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, wait: bool = True) -> ZooKeeperServer:
+        env = {
+            **os.environ,
+            "ZOO_LOG_DIR": str(self.dir),
+            "ZOO_LOG4J_PROP": "WARN,ROLLINGFILE",
+            "JVMFLAGS": "-Xmx256m -XX:+UseSerialGC -XX:TieredStopAtLevel=1",
+        }
+        with open(self.dir / "server.log", "ab") as log:
+            self.process = subprocess.Popen(
+                [ZK_SCRIPT, "start-foreground", str(self.dir / "zoo.cfg")],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        if wait:
+            self.wait_serving()
+        return self
+
+    def serving(self) -> bool:
+        return "Mode: " in zk_command(self.client_port, "srvr")
+
+    def mode(self) -> str:
+        for line in zk_command(self.client_port, "srvr").splitlines():
+            if line.startswith("Mode: "):
+                return line[len("Mode: ") :].strip()
+        return ""
+
+    def wait_serving(self, timeout: float = 60) -> None:
+        try:
+            what = f"ZooKeeper {self.sid} on {self.client_port} ({self.dir})"
+            wait_for(self.serving, timeout, what)
+        except RuntimeError:
+            self.kill()
+            raise
+
+    def signal(self, sig: int) -> None:
+        if self.process is not None:
+            os.killpg(self.process.pid, sig)
+
+    def kill(self) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=20)
+            self.process = None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+            self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+def start_zookeeper(ports: list[tuple[int, int, int]]) -> list[ZooKeeperServer]:
+    """A standalone server (one port triple) or an ensemble (three), started together."""
+    ensemble = {i + 1: triple for i, triple in enumerate(ports)}
+    servers = [ZooKeeperServer(sid, ensemble) for sid in ensemble]
+    try:
+        for server in servers:
+            server.start(wait=False)
+        for server in servers:
+            server.wait_serving()
+    except BaseException:
+        for server in servers:
+            server.cleanup()
+        raise
+    return servers
+
+
 def make_test_ca(d: Path) -> dict[str, Path]:
     """A throwaway CA in ``d``, a server certificate for 127.0.0.1 and a client certificate.
 

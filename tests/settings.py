@@ -17,7 +17,7 @@ from typing import Any
 from testproject.settings import *  # noqa: F403
 from testproject.settings import INSTALLED_APPS
 
-from tests.servers import free_port, port_open
+from tests.servers import free_port, port_open, zookeeper_installed
 
 INSTALLED_APPS = [*INSTALLED_APPS, "tests"]
 
@@ -31,7 +31,12 @@ REQUIRE_ALL = os.environ.get("DLOCK_REQUIRE_ALL_BACKENDS") == "1"
 # once, and the processes it starts (Celery workers, db_worker) inherit its own.
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _XDIST_WORKER and os.environ.get("DLOCK_TEST_SESSION") != _XDIST_WORKER:
-    for _variable in ("DLOCK_TEST_TMP", "DLOCK_TEST_REDIS_PORTS", "DLOCK_TEST_ETCD_PORTS"):
+    for _variable in (
+        "DLOCK_TEST_TMP",
+        "DLOCK_TEST_REDIS_PORTS",
+        "DLOCK_TEST_ETCD_PORTS",
+        "DLOCK_TEST_ZK_PORTS",
+    ):
         os.environ.pop(_variable, None)
     os.environ["DLOCK_TEST_SESSION"] = _XDIST_WORKER
 _TMP = os.environ.setdefault(
@@ -193,6 +198,42 @@ else:
     if REQUIRE_ALL:
         raise RuntimeError("DLOCK_REQUIRE_ALL_BACKENDS=1 but etcd is not installed")
 
+# ZooKeeper: the tests start their own servers on these (client, quorum,
+# election) ports: a standalone one and a 3-server ensemble. Sessions of 2 s
+# (the servers tick every 100 ms), so that a dead holder's locks go in time.
+_ZK = "django_dlock.backends.zookeeper.ZooKeeperBackend"
+ZK_PORTS = _shared_ports(
+    "DLOCK_TEST_ZK_PORTS",
+    lambda: {
+        "single": [(free_port(), free_port(), free_port())],
+        "ensemble": [(free_port(), free_port(), free_port()) for _ in range(3)],
+    },
+)
+if zookeeper_installed() and find_spec("kazoo") is not None:
+    DLOCK_BACKENDS.update(
+        {
+            "zookeeper": {
+                "BACKEND": _ZK,
+                "LOCATION": f"127.0.0.1:{ZK_PORTS['single'][0][0]}",
+                "OPTIONS": {"session_timeout": 2.0},
+            },
+            "zookeeper-ensemble": {
+                "BACKEND": _ZK,
+                "LOCATION": "zk://"
+                + ",".join(f"127.0.0.1:{client}" for client, _, _ in ZK_PORTS["ensemble"])
+                + "/dlock-tests",
+                "OPTIONS": {"session_timeout": 2.0},
+            },
+        }
+    )
+else:
+    for _alias in ("zookeeper", "zookeeper-ensemble"):
+        UNAVAILABLE_BACKENDS[_alias] = (
+            "ZooKeeper (apt: zookeeperd, and Java) or kazoo is not installed"
+        )
+    if REQUIRE_ALL:
+        raise RuntimeError("DLOCK_REQUIRE_ALL_BACKENDS=1 but ZooKeeper or kazoo is not installed")
+
 # The example backend of docs/development.md ("Write a backend").
 DLOCK_BACKENDS["example"] = {
     "BACKEND": "tests.example_backend.SQLiteFileBackend",
@@ -212,6 +253,8 @@ CONFORMANCE_BACKENDS = {
     "redlock": None,
     "etcd": None,
     "etcd-cluster": None,
+    "zookeeper": None,
+    "zookeeper-ensemble": None,
 }
 
 # Celery: the tests' tasks (tests/tasks.py) lock on the "celery" alias, which is

@@ -497,6 +497,15 @@ class BaseLockBackend:
         """
         return 0.0
 
+    def session_end(self) -> float:
+        """The ``time.monotonic()`` instant after which every lease of this process may be gone.
+
+        Whatever their TTLs: a ZooKeeper session ends its timeout after the
+        service last heard from the process, so a handle counts on no more
+        than that (``HeldLock.expires_at``). ``math.inf``: leases end by their TTLs alone.
+        """
+        return math.inf
+
     def list(self, prefix: str = "") -> list[LockInfo]:
         """Live leases whose names start with ``prefix``, sorted by name."""
         prefix = validate_name(prefix, what="A lock name prefix")
