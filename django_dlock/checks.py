@@ -24,6 +24,9 @@ Ids are stable and never reused (docs/checks.md lists them):
   lock is a 500 there.
 - ``django_dlock.W005``: a locked task, a guarded view or a ``LockedSaveMixin``
   model on an alias that ``DLOCK_BACKENDS`` does not have.
+- ``django_dlock.W006``: a ZooKeeper backend's ``TTL`` is shorter than its
+  session timeout (the backend's own ``check()``): a dead holder's locks last
+  the session timeout.
 """
 
 from __future__ import annotations

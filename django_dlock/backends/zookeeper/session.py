@@ -1,0 +1,442 @@
+"""The ZooKeeper backend's session: settings, the kazoo client, what the process holds.
+
+The lease is the session (the package docstring): :class:`ZooKeeperSession`
+keeps the one kazoo client of a backend in a process, learns when the
+service last answered (``session_end``), marks every lease lost when the
+session expires, and keeps the process's nodes (deleting one whose lease ran
+out here, and lock directories left empty).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, unquote
+
+from django.core import checks
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import (
+    KazooException,
+    NoNodeError,
+    NotEmptyError,
+)
+from kazoo.handlers.threading import KazooTimeoutError
+
+from ..base import BackendUnavailable, BaseLockBackend
+
+logger = logging.getLogger("django_dlock")
+
+
+#: What our nodes are called after the owner token: kazoo's ``Lock`` reads these.
+NODE_MARK = "__lock__"
+#: Contenders: kazoo's nodes (``__lock__``) and Curator's (``-lock-``), by sequence.
+CONTENDER = re.compile(r"(?:__lock__|-lock-)(-?\d{10})$")
+#: In the data of an adopted lease's node: the token it keeps.
+TOKEN_KEY = "\x1fdlock:token"
+#: A wait on the node ahead re-reads the children at least this often (seconds):
+#: a safety net for a watch lost with a connection, not the way waiters are woken.
+WAIT_CAP = 5.0
+#: Empty lock directories are deleted this long after their last release (seconds).
+SWEEP_AFTER = 2.0
+
+ERRORS: tuple[type[BaseException], ...] = (KazooException, KazooTimeoutError)
+
+_backends: weakref.WeakSet[ZooKeeperSession] = weakref.WeakSet()
+
+
+def escape(name: str) -> str:
+    """One path component for ``name``; a prefix of a name escapes to a prefix of its path."""
+    return quote(name, safe="").replace(".", "%2E")
+
+
+def unescape(component: str) -> str:
+    return unquote(component)
+
+
+def parse_location(location: Any, chroot: str | None) -> str:
+    """kazoo's ``hosts`` string (``h1:p1,h2:p2/chroot``) from ``LOCATION`` and ``chroot``."""
+    if isinstance(location, (list, tuple)):
+        if not location or not all(isinstance(h, str) and h for h in location):
+            raise ValueError("LOCATION must be a non-empty list of 'host:port' strings.")
+        text = ",".join(location)
+    elif isinstance(location, str) and location:
+        text = location
+    else:
+        raise ValueError(
+            "LOCATION must be 'host:port', a list of them, or a 'zk://host:port,.../chroot' URL."
+        )
+    path = ""
+    if text.startswith("zk://"):
+        text = text[len("zk://") :]
+        if "/" in text:
+            text, path = text.split("/", 1)
+            path = "/" + path.rstrip("/") if path.strip("/") else ""
+    elif "://" in text:
+        raise ValueError(f"LOCATION {location!r}: the only URL scheme is zk://.")
+    elif "/" in text:
+        text, path = text.split("/", 1)
+        path = "/" + path.rstrip("/") if path.strip("/") else ""
+    hosts = [h.strip() for h in text.split(",")]
+    for host in hosts:
+        h, sep, port = host.rpartition(":")
+        if not host or (sep and (not h or not port.isdigit() or not 0 < int(port) < 65536)):
+            raise ValueError(f"LOCATION {location!r}: {host!r} is not 'host:port'.")
+    if chroot is not None:
+        if path:
+            raise ValueError(
+                "the chroot is given twice: in LOCATION's path and OPTIONS['chroot']."
+            )
+        path = chroot.rstrip("/")
+    if path and (not path.startswith("/") or "//" in path or "\x00" in path):
+        raise ValueError(f"the chroot {path!r} must be an absolute path such as '/myapp'.")
+    return ",".join(hosts) + path
+
+
+@dataclass(eq=False)
+class Held:
+    """A node of ours that holds (or held) a lock, as this process knows it."""
+
+    name: str
+    path: str
+    token: int
+    #: ``time.monotonic()`` at which its lease ends unless renewed (the process deletes it then).
+    expires: float
+    #: The session it lives in (its id); None once that session is gone.
+    session: int | None
+    holder: str
+
+
+class ZooKeeperSession(BaseLockBackend):
+    """Settings, the client and the session; the recipe is ``backend.py``."""
+
+    supports_fair = True
+    supports_wakeups = True
+    supports_shared_leases = True
+    #: A lease whose holder dies lasts until its session expires: the session
+    #: timeout is the floor of what a TTL can mean (``OPTIONS["session_timeout"]``);
+    #: the conformance suite's short leases use 2 s sessions.
+    min_ttl = 2.0
+    #: A killed holder's session ends up to a third of the session timeout
+    #: (its last ping) plus two ticks after its last renewal.
+    expiry_slack = 1.0
+    allowed_options = frozenset({"chroot", "session_timeout", "timeout", "auth"})
+
+    def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
+        super().__init__(alias, params)
+        options = self.options
+        self.session_timeout = self._number_option("session_timeout", 10.0)
+        self.timeout = self._number_option("timeout", 5.0)
+        chroot = options.get("chroot")
+        if chroot is not None and not isinstance(chroot, str):
+            raise self.config_error("OPTIONS['chroot'] must be a str such as '/myapp'.")
+        auth = options.get("auth", ())
+        if not isinstance(auth, (list, tuple)) or not all(
+            isinstance(pair, (list, tuple))
+            and len(pair) == 2
+            and all(isinstance(part, str) for part in pair)
+            for pair in auth
+        ):
+            raise self.config_error(
+                "OPTIONS['auth'] must be a list of (scheme, credential) pairs of str, "
+                "such as [('digest', 'user:password')]."
+            )
+        self.auth = [tuple(pair) for pair in auth]
+        try:
+            self.hosts = parse_location(self.location, chroot)
+        except ValueError as e:
+            raise self.config_error(str(e)) from None
+        self.root = "/" + escape(self.key_prefix + "dlock") if self.key_prefix else "/dlock"
+        self._client: KazooClient | None = None
+        self._client_mutex = threading.Lock()
+        #: owner -> the node it holds
+        self._held: dict[str, Held] = {}
+        #: lock directories to delete once empty: path -> when
+        self._sweep: dict[str, float] = {}
+        self._sweeper: threading.Timer | None = None
+        self._keeper: threading.Thread | None = None
+        #: ``time.monotonic()`` when the latest request the service answered was sent.
+        self._confirmed = 0.0
+        self._mutex = threading.Lock()
+        _backends.add(self)
+
+    # --- settings -------------------------------------------------------------------------
+
+    def check(self) -> list[checks.CheckMessage]:
+        if self.default_ttl >= self.session_timeout:
+            return []
+        return [
+            checks.Warning(
+                f"Lock backend {self.alias!r}: TTL {self.default_ttl:g}s is shorter than "
+                f"OPTIONS['session_timeout'] {self.session_timeout:g}s. A holder that dies "
+                "keeps its locks until its ZooKeeper session expires, so they last the "
+                "session timeout, not the TTL.",
+                hint="Lower session_timeout to the TTL, or raise TTL.",
+                id="django_dlock.W006",
+            )
+        ]
+
+    # --- the client -----------------------------------------------------------------------
+
+    @property
+    def client(self) -> KazooClient:
+        client = self._client
+        if client is not None:
+            return client
+        with self._client_mutex:
+            if self._client is None:
+                client = KazooClient(
+                    hosts=self.hosts,
+                    timeout=self.session_timeout,
+                    auth_data=self.auth or None,
+                    connection_retry={"max_tries": -1, "delay": 0.05, "max_delay": 1.0},
+                    command_retry=None,
+                )
+                client.add_listener(self._on_state)
+                try:
+                    with warnings.catch_warnings():
+                        # A chroot that does not exist yet: the first lock creates it.
+                        warnings.filterwarnings("ignore", "No chroot path exists")
+                        client.start(timeout=self.timeout)
+                except ERRORS as e:
+                    client.stop()
+                    client.close()
+                    raise self._unavailable("", e) from e
+                self._client = client
+            return self._client
+
+    def _session(self) -> int | None:
+        client = self._client
+        if client is None or client.client_id is None:
+            return None
+        return int(client.client_id[0])
+
+    def negotiated(self) -> float:
+        """The session timeout the server granted (seconds); the configured one until then."""
+        client = self._client
+        granted = getattr(client, "_session_timeout", 0) if client is not None else 0
+        return granted / 1000 if granted else self.session_timeout
+
+    def session_end(self) -> float:
+        # Our nodes live while the session does: until the session timeout after
+        # the service last heard from us. A handle never counts on more.
+        return self._confirmed + self.negotiated()
+
+    def _heard(self, sent: float) -> None:
+        """A request sent at ``sent`` was answered: the session lived then."""
+        if sent > self._confirmed:
+            self._confirmed = sent
+
+    def _keepalive(self) -> None:
+        """While this process holds locks here, confirm the session every fifth of its timeout.
+
+        kazoo's pings keep the session alive; these read requests tell us, by
+        our clock, that it still was (``session_end``).
+        """
+        while True:
+            with self._mutex:
+                if not self._held or self._client is None:
+                    self._keeper = None
+                    return
+                client = self._client
+            sent = time.monotonic()
+            try:
+                client.exists(self.root)
+            except ERRORS:
+                logger.debug("Confirming the ZooKeeper session failed", exc_info=True)
+            else:
+                self._heard(sent)
+            time.sleep(self.negotiated() / 5)
+
+    def _keep(self) -> None:
+        """Under the mutex: make sure the keepalive thread runs."""
+        if self._keeper is None:
+            self._keeper = threading.Thread(
+                target=self._keepalive, daemon=True, name="django-dlock-zk-keepalive"
+            )
+            self._keeper.start()
+
+    def _on_state(self, state: str) -> None:
+        """kazoo's listener (its own thread: no calls to ZooKeeper here)."""
+        if state == KazooState.LOST:
+            self._confirmed = 0.0
+            with self._mutex:
+                lost = [h for h in self._held.values() if h.session is not None]
+                for held in lost:
+                    held.session = None
+            if lost:
+                threading.Thread(
+                    target=self._mark_lost, args=(lost,), daemon=True, name="django-dlock-zk-lost"
+                ).start()
+
+    def _mark_lost(self, lost: list[Held]) -> None:
+        from ...watchdog import get_watchdog
+
+        owners = {id(h) for h in lost}
+        with self._mutex:
+            gone = {o for o, h in self._held.items() if id(h) in owners}
+            for owner in gone:
+                del self._held[owner]
+        for handle in get_watchdog().scheduled(self.alias):
+            if getattr(handle, "owner", None) in gone and handle.backend is self:
+                handle.lost_on_server("the ZooKeeper session expired")
+
+    def _unavailable(self, name: str, e: BaseException) -> BackendUnavailable:
+        what = f"lock {name!r}" if name else "the service"
+        return BackendUnavailable(
+            f"ZooKeeper backend {self.alias!r} ({self.hosts}) failed for {what}: {e!r}",
+            name=name or None,
+            backend=self.alias,
+        )
+
+    def close(self) -> None:
+        """End the session: every node of ours goes with it, held locks are released."""
+        with self._client_mutex:
+            client, self._client = self._client, None
+        with self._mutex:
+            self._held.clear()
+            self._sweep.clear()
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+                self._sweeper = None
+        if client is not None:
+            try:
+                client.stop()
+                client.close()
+            except Exception:  # pragma: no cover - the session ends with the process anyway
+                logger.debug("Closing the ZooKeeper client failed", exc_info=True)
+
+    # --- paths ----------------------------------------------------------------------------
+
+    def _dir(self, name: str) -> str:
+        return f"{self.root}/{escape(name)}"
+
+    @staticmethod
+    def _contenders(children: Iterable[str]) -> list[tuple[str, str]]:
+        """(sequence, child) of each contender, lowest sequence first."""
+        found = []
+        for child in children:
+            m = CONTENDER.search(child)
+            if m is not None:
+                found.append((m.group(1), child))
+        found.sort()
+        return found
+
+    # --- the nodes this process keeps ------------------------------------------------
+
+    def _expire_at(self, owner: str, held: Held) -> None:
+        """Delete ``held``'s node when its lease runs out here, unless extended by then."""
+        from ...watchdog import get_watchdog
+
+        def expire() -> None:
+            with self._mutex:
+                current = self._held.get(owner)
+                if current is not held or held.expires > time.monotonic():
+                    return
+                del self._held[owner]
+            self._delete(held.name, held.path)
+
+        get_watchdog().call_at(held.expires, expire)
+
+    def _delete(self, name: str, path: str, version: int = -1) -> bool:
+        try:
+            self.client.delete(path, version=version)
+        except NoNodeError:
+            return False
+        except ERRORS as e:
+            raise self._unavailable(name, e) from e
+        self._schedule_sweep(name)
+        return True
+
+    def _schedule_sweep(self, name: str) -> None:
+        with self._mutex:
+            self._sweep[self._dir(name)] = time.monotonic() + SWEEP_AFTER
+            if self._sweeper is None:
+                self._sweeper = threading.Timer(SWEEP_AFTER, self._sweep_dirs)
+                self._sweeper.name = "django-dlock-zk-sweep"
+                self._sweeper.daemon = True
+                self._sweeper.start()
+
+    def _sweep_dirs(self) -> None:
+        """Delete lock directories left empty (a new contender recreates its own)."""
+        now = time.monotonic()
+        with self._mutex:
+            self._sweeper = None
+            due = [d for d, at in self._sweep.items() if at <= now]
+            for d in due:
+                del self._sweep[d]
+            busy = {self._dir(h.name) for h in self._held.values()}
+            again = bool(self._sweep)
+        client = self._client
+        if client is not None:
+            for directory in due:
+                if directory in busy:
+                    continue
+                try:
+                    client.delete(directory)
+                except (NotEmptyError, NoNodeError):
+                    pass
+                except ERRORS:
+                    logger.debug("Deleting %r failed", directory, exc_info=True)
+        if again:
+            with self._mutex:
+                if self._sweeper is None:
+                    self._sweeper = threading.Timer(SWEEP_AFTER, self._sweep_dirs)
+                    self._sweeper.daemon = True
+                    self._sweeper.start()
+
+    def _lookup(self, name: str, owner: str) -> str | None:
+        """The path of ``owner``'s node of ``name``: ours, or found by its owner token."""
+        with self._mutex:
+            held = self._held.get(owner)
+        if held is not None and held.name == name:
+            return held.path
+        directory = self._dir(name)
+        try:
+            children = self.client.get_children(directory)
+        except NoNodeError:
+            return None
+        except ERRORS as e:
+            raise self._unavailable(name, e) from e
+        mark = owner + NODE_MARK
+        for child in children:
+            if child.startswith(mark):
+                return f"{directory}/{child}"
+        return None
+
+
+def _reset_after_fork() -> None:
+    # The parent's session belongs to the parent: a child that closed it would
+    # end the parent's locks. Its client (and its threads) are not in the child.
+    for backend in list(_backends):
+        backend._client = None
+        backend._client_mutex = threading.Lock()
+        backend._mutex = threading.Lock()
+        backend._held = {}
+        backend._sweep = {}
+        backend._sweeper = None
+        backend._keeper = None
+        backend._confirmed = 0.0
+
+
+def _close_at_exit() -> None:
+    from ...watchdog import get_watchdog
+
+    watchdog = get_watchdog()
+    for backend in list(_backends):
+        for handle in watchdog.scheduled(backend.alias):
+            if handle.backend is backend:
+                watchdog.cancel(handle)
+        backend.close()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+atexit.register(_close_at_exit)
