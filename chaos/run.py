@@ -1,8 +1,8 @@
 """``make chaos``: every backend against every fault, checked, as one table.
 
 For each backend this starts its own servers (redis-server, a 3-member etcd
-cluster; a database of its own on the PostgreSQL and MariaDB servers; a
-SQLite file), three workers (``chaos/worker.py``), and then runs one phase
+cluster, a 3-server ZooKeeper ensemble; a database of its own on the
+PostgreSQL and MariaDB servers; a SQLite file), three workers (``chaos/worker.py``), and then runs one phase
 per fault: the fault is injected, lasts a while, is healed, and the workers
 get ``TTL + RECOVERY`` seconds to recover before the next episode. The
 history checker (``chaos/history.py``) then checks each phase.
@@ -39,7 +39,7 @@ from typing import Any
 
 from chaos import history, nemesis
 from tests.netproxy import Proxy
-from tests.servers import RedisServer, free_port, start_etcd_cluster
+from tests.servers import RedisServer, free_port, start_etcd_cluster, start_zookeeper
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Lease length the workers ask for, seconds (etcd grants at least 1 s).
@@ -78,7 +78,7 @@ FAULTS = {
         Fault("pause", TTL + 1, pauses=True, what="SIGSTOP the holder past its TTL, then SIGCONT"),
         Fault("kill", 0.2, what="SIGKILL the holder, respawn it"),
         Fault("restart", 1.0, loses_data=True, what="kill redis-server (no persistence), restart"),
-        Fault("leader", 2.0, what="kill the etcd leader of 3 members, restart it"),
+        Fault("leader", 2.0, what="kill the leader of 3 members (etcd, ZooKeeper), restart it"),
         Fault("terminate", 0.0, what="end the lock connections on the server"),
         Fault("filelock", 3.0, what="another process holds SQLite's write lock"),
         Fault("partition", 3.0, network=True, what="the lock link goes down"),
@@ -259,6 +259,40 @@ class EtcdTarget(Target):
             member.cleanup()
 
 
+class ZooKeeperTarget(Target):
+    """A 3-server ensemble (100 ms ticks); the workers' sessions time out after TTL (2 s)."""
+
+    name = "zookeeper"
+    faults = ("pause", "kill", "leader", *NETWORK, *PROXIED)
+
+    def start(self, run: Run) -> None:
+        self.servers = start_zookeeper([(free_port(), free_port(), free_port()) for _ in range(3)])
+        self.down: Any = None
+
+    def worker_settings(self, run: Run) -> tuple[dict[str, Any], dict[str, Any]]:
+        hosts = []
+        for server in self.servers:
+            host, port = run.lock_address(server.client_port)
+            hosts.append(f"{host}:{port}")
+        return {"BACKEND": "django_dlock.backends.zookeeper.ZooKeeperBackend", "LOCATION": hosts,
+                "OPTIONS": {"session_timeout": TTL, "timeout": 2.0}}, {}  # fmt: skip
+
+    def inject(self, fault: str) -> None:
+        assert fault == "leader"
+        leaders = [s for s in self.servers if s.process is not None and s.mode() == "leader"]
+        self.down = leaders[0] if leaders else random.choice(self.servers)
+        self.down.kill()
+
+    def heal(self, fault: str) -> None:
+        if self.down is not None:
+            self.down.start(wait=True)
+            self.down = None
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.cleanup()
+
+
 class PostgresTarget(Target):
     name = "postgresql"
     faults = ("pause", "kill", "terminate", *NETWORK, *PROXIED)
@@ -400,11 +434,19 @@ def _write_atomic(path: Path, text: str) -> None:
 #: What ``--kind`` makes the workers hold.
 KINDS = ("mutex", "semaphore", "rwlock")
 #: Targets whose backend has no semaphores.
-NO_SEMAPHORES = ("redlock",)
+NO_SEMAPHORES = ("redlock", "zookeeper")
 
 TARGETS: dict[str, type[Target]] = {
     t.name: t
-    for t in (RedisTarget, RedlockTarget, EtcdTarget, PostgresTarget, MariaDBTarget, SQLiteTarget)
+    for t in (
+        RedisTarget,
+        RedlockTarget,
+        EtcdTarget,
+        ZooKeeperTarget,
+        PostgresTarget,
+        MariaDBTarget,
+        SQLiteTarget,
+    )
 }
 
 

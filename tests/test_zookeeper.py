@@ -297,3 +297,38 @@ def test_a_ttl_shorter_than_the_session_is_a_warning() -> None:
     assert warning.id == "django_dlock.W006"
     assert "10s" in warning.msg and "5s" in warning.msg
     assert ZooKeeperBackend("z", {"LOCATION": "a:1"}).check() == []
+
+
+def _ghost(backend: ZooKeeperBackend, name: str, owner: str) -> str:
+    """A node of ``owner``'s that its attempt never heard of: a create that landed late."""
+    path: str = backend.client.create(
+        f"{backend._dir(name)}/{owner}__lock__", b"{}", ephemeral=True, sequence=True,
+        makepath=True,
+    )  # fmt: skip
+    return path
+
+
+def test_an_attempt_deletes_its_own_late_landing_create(name: str) -> None:
+    """Chaos run, leader fault: a create that went unanswered landed after the attempt
+    had made another node; the ghost stood at the head of the queue while the
+    process lived, and nobody got the lock again."""
+    backend = locks["zookeeper"]
+    assert isinstance(backend, ZooKeeperBackend)
+    ops, attempt, _, _ = backend._begin(name, 5, None, None, True, None, 1, None)
+    ghost = _ghost(backend, name, attempt.owner)
+    token = attempt.try_acquire()  # its own node is behind the ghost: it must not wait on it
+    assert isinstance(token, int)
+    assert backend.client.exists(ghost) is None
+    assert ops.release(name, attempt.owner)
+
+
+def test_a_late_create_after_the_attempt_ended_is_deleted(name: str) -> None:
+    """The same ghost, landing after its attempt gave up: the keepalive deletes it."""
+    backend = locks["zookeeper"]
+    assert isinstance(backend, ZooKeeperBackend)
+    directory = backend._dir(name)
+    backend._unsure_create(directory, "gone-owner")
+    ghost = _ghost(backend, name, "gone-owner")
+    wait_for(lambda: backend.client.exists(ghost) is None, 10, "the ghost to be deleted")
+    with lock(name, backend="zookeeper", timeout=0):
+        pass

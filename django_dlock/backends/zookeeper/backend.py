@@ -15,7 +15,7 @@ from kazoo.exceptions import (
     NoNodeError,
 )
 
-from ..base import Attempt, Grant, load_holder
+from ..base import Attempt, BackendUnavailable, Grant, load_holder
 from .operations import ZooKeeperOperations, with_ttl
 from .session import ERRORS, NODE_MARK, WAIT_CAP, Held
 
@@ -86,6 +86,14 @@ class ZooKeeperBackend(ZooKeeperOperations):
         except ERRORS as e:
             raise self._unavailable(name, e) from e
         mine = attempt.node.rsplit("/", 1)[1] if attempt.node else None
+        mark = attempt.owner + NODE_MARK
+        ghosts = [c for c in children if c.startswith(mark) and c != mine]
+        if ghosts:
+            # A create of this attempt that went unanswered, and landed after all:
+            # left there, it would stand in the queue for as long as our session.
+            for ghost in ghosts:
+                self._delete(name, f"{directory}/{ghost}")
+            children = [c for c in children if c not in ghosts]
         if mine not in children:
             attempt.node = None  # broken, or gone with a session: queue again
             return None
@@ -103,28 +111,39 @@ class ZooKeeperBackend(ZooKeeperOperations):
         prefix = f"{directory}/{attempt.owner}{NODE_MARK}"
         for _ in range(3):
             attempt.create_sent = True
-            session = self._session()
             sent = time.monotonic()
             created = client.create_async(
                 prefix, data, ephemeral=True, sequence=True, include_data=True
             )
             listed = client.get_children_async(directory)
+            with self._mutex:
+                self._waiting.add(attempt.owner)
             try:
                 path, stat = created.get(timeout=self.timeout)
-            except NoNodeError:
+            except ERRORS as e:
+                if not isinstance(e, NoNodeError):
+                    # It may land later, after this attempt has stopped looking.
+                    self._unsure_create(directory, attempt.owner)
+                    raise
+                # NoNodeError: the lock's directory is missing; make it.
                 with contextlib.suppress(NoNodeError):
                     listed.get(timeout=self.timeout)
                 with contextlib.suppress(NodeExistsError):
                     client.ensure_path(directory)
                 continue
             self._heard(sent)
-            attempt.node, attempt.czxid, attempt.session = path, int(stat.czxid), session
+            # The session that owns it, from the server: kazoo may have moved to a new
+            # session while the create was in flight (the old one expired).
+            attempt.node, attempt.czxid = path, int(stat.czxid)
+            attempt.session = int(stat.ephemeralOwner)
             children: list[str] = listed.get(timeout=self.timeout)
             return children
         raise NoNodeError(directory)
 
     def _find_node(self, attempt: ZooKeeperAttempt, directory: str) -> None:
         try:
+            # A follower may not have applied our create yet: read what the leader has.
+            self.client.sync(directory)
             children = self.client.get_children(directory)
         except NoNodeError:
             return
@@ -145,6 +164,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
             attempt.name, attempt.node, attempt.czxid, expires, attempt.session, attempt.holder[1]
         )
         with self._mutex:
+            self._waiting.discard(attempt.owner)
             self._held[attempt.owner] = held
             self._sweep.pop(self._dir(attempt.name), None)
             self._keep()
@@ -168,29 +188,37 @@ class ZooKeeperBackend(ZooKeeperOperations):
         event.wait(max(0.0, cap))
 
     def _leave_queue(self, attempt: ZooKeeperAttempt) -> None:
+        """Delete our node; one whose create went unanswered is looked for by its prefix.
+
+        If ZooKeeper does not answer, the node is deleted once it does (``_tidy``):
+        a waiter's node left behind would stand at the head of the queue for as
+        long as this process's session lives.
+        """
         node, attempt.node, attempt.ahead = attempt.node, None, None
+        with self._mutex:
+            self._waiting.discard(attempt.owner)
         if node is None and attempt.create_sent:
-            try:
-                self._find_node(attempt, self._dir(attempt.name))
-            except ERRORS:
-                logger.debug("Looking for %r's node failed", attempt.name, exc_info=True)
-            node, attempt.node = attempt.node, None
+            node = f"{self._dir(attempt.name)}/{attempt.owner}{NODE_MARK}"
         if node is not None:
-            self._delete(attempt.name, node)
+            try:
+                self._delete(attempt.name, node)
+            except BackendUnavailable:
+                logger.debug("Leaving the queue of %r failed", attempt.name, exc_info=True)
 
     # --- release, extend, check -----------------------------------------------------------
 
     def do_release(self, name: str, owner: str) -> bool:
         with self._mutex:
             held = self._held.pop(owner, None)
-        if held is not None and held.expires <= time.monotonic():
+        if held is None or held.name != name:
+            # Not ours here (a ticket, an unknown outcome): our node by its prefix.
+            return self._delete(name, f"{self._dir(name)}/{owner}{NODE_MARK}")
+        if held.expires <= time.monotonic():
             # Ran out here before the release: the lease had ended (the node goes now).
-            self._delete(name, held.path)
+            with contextlib.suppress(BackendUnavailable):
+                self._delete(name, held.path)
             return False
-        path = held.path if held is not None else self._lookup(name, owner)
-        if path is None:
-            return False
-        return self._delete(name, path)
+        return self._delete(name, held.path)
 
     def do_extend(self, name: str, owner: str, ttl: float) -> bool:
         return self._extend(name, owner, ttl, time.monotonic())
@@ -201,8 +229,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
         if held is None or held.name != name:
             return False
         if held.expires <= sent:
-            self.do_release(name, owner)
-            return False
+            return False  # ran out here: ``_tidy`` deletes its node
         try:
             self.client.set(held.path, with_ttl(held.holder, ttl))
         except NoNodeError:
@@ -231,7 +258,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
         results: list[bool | Exception] = []
         for (name, owner, ttl), (held, reply) in zip(leases, pending, strict=False):
             if held is None:
-                results.append(self.do_release(name, owner) and False)
+                results.append(False)  # not held here, or ran out here (``_tidy`` deletes it)
                 continue
             try:
                 reply.get(timeout=self.timeout)

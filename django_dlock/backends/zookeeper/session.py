@@ -10,6 +10,7 @@ out here, and lock directories left empty).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import re
@@ -45,6 +46,9 @@ TOKEN_KEY = "\x1fdlock:token"
 #: A wait on the node ahead re-reads the children at least this often (seconds):
 #: a safety net for a watch lost with a connection, not the way waiters are woken.
 WAIT_CAP = 5.0
+#: How long a create that went unanswered may still land (seconds): a request
+#: queued on a connection that is down waits for it, and for the session, to come back.
+GHOST_WATCH = 120.0
 #: Empty lock directories are deleted this long after their last release (seconds).
 SWEEP_AFTER = 2.0
 
@@ -163,6 +167,12 @@ class ZooKeeperSession(BaseLockBackend):
         self._sweep: dict[str, float] = {}
         self._sweeper: threading.Timer | None = None
         self._keeper: threading.Thread | None = None
+        #: our nodes a failed call left behind: path -> lock name (``_tidy``)
+        self._orphans: dict[str, str] = {}
+        #: (directory, owner) of creates that went unanswered -> until when to look
+        self._unsure: dict[tuple[str, str], float] = {}
+        #: owners whose acquisition is under way (they delete their own ghosts)
+        self._waiting: set[str] = set()
         #: ``time.monotonic()`` when the latest request the service answered was sent.
         self._confirmed = 0.0
         self._mutex = threading.Lock()
@@ -236,14 +246,18 @@ class ZooKeeperSession(BaseLockBackend):
             self._confirmed = sent
 
     def _keepalive(self) -> None:
-        """While this process holds locks here, confirm the session every fifth of its timeout.
+        """While this process has nodes here: confirm the session, and tidy up.
 
-        kazoo's pings keep the session alive; these read requests tell us, by
-        our clock, that it still was (``session_end``).
+        Every fifth of the session timeout: a read request, whose answer
+        tells us by our clock that the session still lived (``session_end``;
+        kazoo's own pings keep it alive but say nothing of when); then the
+        nodes a failed call left behind are deleted, and so are held nodes
+        whose lease ran out here (a node lives as long as its session: left
+        alone, a lock nobody renews would stay held while the process lives).
         """
         while True:
             with self._mutex:
-                if not self._held or self._client is None:
+                if not (self._held or self._orphans or self._unsure) or self._client is None:
                     self._keeper = None
                     return
                 client = self._client
@@ -254,7 +268,64 @@ class ZooKeeperSession(BaseLockBackend):
                 logger.debug("Confirming the ZooKeeper session failed", exc_info=True)
             else:
                 self._heard(sent)
+                self._tidy(sent)
             time.sleep(self.negotiated() / 5)
+
+    def _tidy(self, now: float) -> None:
+        """Delete the nodes left behind, and those whose lease ran out here."""
+        with self._mutex:
+            for owner, held in list(self._held.items()):
+                if held.expires <= now:
+                    del self._held[owner]
+                    self._orphans[held.path] = held.name
+            orphans = list(self._orphans.items())
+            unsure = []
+            for (directory, owner), until in list(self._unsure.items()):
+                if until <= now:
+                    del self._unsure[(directory, owner)]
+                elif owner not in self._waiting:  # a waiting attempt sees its own
+                    holding = self._held.get(owner)
+                    keep = holding.path if holding is not None else None
+                    unsure.append((directory, owner, keep))
+        for path, name in orphans:
+            with contextlib.suppress(BackendUnavailable):
+                self._delete(name, path)
+        for directory, owner, keep in unsure:
+            self._delete_ghosts(directory, owner, keep)
+
+    def _unsure_create(self, directory: str, owner: str) -> None:
+        """A create of ``owner``'s went unanswered: it may land later, as a node nobody
+        knows of (a "ghost", which would stand in the queue for as long as our
+        session lives). ``_tidy`` looks for it for a while."""
+        with self._mutex:
+            self._unsure[(directory, owner)] = time.monotonic() + GHOST_WATCH
+            self._keep()
+
+    def _delete_ghosts(self, directory: str, owner: str, keep: str | None) -> None:
+        """Delete ``owner``'s nodes in ``directory`` but ``keep`` (the one it holds)."""
+        client = self._client
+        if client is None:
+            return
+        mark = owner + NODE_MARK
+        try:
+            client.sync(directory)
+            children = client.get_children(directory)
+        except NoNodeError:
+            return
+        except ERRORS:
+            logger.debug("Looking for ghosts in %r failed", directory, exc_info=True)
+            return
+        for child in children:
+            path = f"{directory}/{child}"
+            if child.startswith(mark) and path != keep:
+                with contextlib.suppress(*ERRORS):
+                    client.delete(path)
+
+    def _orphan(self, name: str, path: str) -> None:
+        """``path`` (or, ending in ``NODE_MARK``, our node with that prefix) must go."""
+        with self._mutex:
+            self._orphans[path] = name
+            self._keep()
 
     def _keep(self) -> None:
         """Under the mutex: make sure the keepalive thread runs."""
@@ -347,14 +418,31 @@ class ZooKeeperSession(BaseLockBackend):
         get_watchdog().call_at(held.expires, expire)
 
     def _delete(self, name: str, path: str, version: int = -1) -> bool:
+        """Delete our node ``path``; if ZooKeeper does not answer, again later (``_tidy``).
+
+        ``path`` ending in ``NODE_MARK`` is a node whose create went unanswered:
+        whichever child has that prefix.
+        """
         try:
-            self.client.delete(path, version=version)
+            if path.endswith(NODE_MARK):
+                directory, mark = path.rsplit("/", 1)
+                found = [c for c in self.client.get_children(directory) if c.startswith(mark)]
+                for child in found:
+                    self.client.delete(f"{directory}/{child}")
+                deleted = bool(found)
+            else:
+                self.client.delete(path, version=version)
+                deleted = True
         except NoNodeError:
-            return False
+            deleted = False
         except ERRORS as e:
+            self._orphan(name, path)
             raise self._unavailable(name, e) from e
-        self._schedule_sweep(name)
-        return True
+        with self._mutex:
+            self._orphans.pop(path, None)
+        if deleted:
+            self._schedule_sweep(name)
+        return deleted
 
     def _schedule_sweep(self, name: str) -> None:
         with self._mutex:
@@ -424,6 +512,9 @@ def _reset_after_fork() -> None:
         backend._sweep = {}
         backend._sweeper = None
         backend._keeper = None
+        backend._orphans = {}
+        backend._unsure = {}
+        backend._waiting = set()
         backend._confirmed = 0.0
 
 
