@@ -332,3 +332,38 @@ def test_a_late_create_after_the_attempt_ended_is_deleted(name: str) -> None:
     wait_for(lambda: backend.client.exists(ghost) is None, 10, "the ghost to be deleted")
     with lock(name, backend="zookeeper", timeout=0):
         pass
+
+
+def test_a_standalone_server_restarted_keeps_the_sessions_locks(name: str) -> None:
+    """Stop and start a standalone server (its data on disk): the session, and the lock
+    on it, survive; another client stays excluded; tokens keep increasing."""
+    from tests.servers import free_port, start_zookeeper
+
+    [server] = start_zookeeper([(free_port(), free_port(), free_port())])
+    backend = ZooKeeperBackend(
+        "zk-restart", {"LOCATION": server.endpoint, "OPTIONS": {"session_timeout": 2.0}}
+    )
+    other = ZooKeeperBackend(
+        "zk-restart-2", {"LOCATION": server.endpoint, "OPTIONS": {"session_timeout": 2.0}}
+    )
+    try:
+        held = backend.acquire(name, ttl=30)
+        server.restart()
+        wait_for(lambda: not held.lost and _ensured(held), 20, "the lock to be confirmed again")
+        with pytest.raises(LockTimeout):
+            other.acquire(name, timeout=0.5)
+        held.release()
+        with other.acquire(name, timeout=10) as after:
+            assert after.token > held.token
+    finally:
+        backend.close()
+        other.close()
+        server.cleanup()
+
+
+def _ensured(held: Any) -> bool:
+    try:
+        held.ensure()
+    except Exception:
+        return False
+    return True
