@@ -69,6 +69,7 @@ OPTIONAL_CLIENTS = [
     "opentelemetry",
     "health_check",
     "django_tasks",
+    "kazoo",
 ]
 autodoc_mock_imports = [m for m in OPTIONAL_CLIENTS if _missing(m)]
 

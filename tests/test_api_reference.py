@@ -48,6 +48,7 @@ PUBLIC_MODULES = [
     "django_dlock.backends.database",
     "django_dlock.backends.redis",
     "django_dlock.backends.etcd",
+    "django_dlock.backends.zookeeper",
     "django_dlock.backends.locmem",
     # The contract of a backend of one's own (docs/development.md).
     "django_dlock.backends.base",
