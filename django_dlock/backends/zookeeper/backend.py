@@ -119,6 +119,10 @@ class ZooKeeperBackend(ZooKeeperOperations):
             with self._mutex:
                 self._waiting.add(attempt.owner)
             try:
+                # The listing comes back after the create (one session's requests
+                # are answered in order): waiting on it first wakes us once.
+                with contextlib.suppress(NoNodeError):
+                    listed.wait(timeout=self.timeout)
                 path, stat = created.get(timeout=self.timeout)
             except ERRORS as e:
                 if not isinstance(e, NoNodeError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -60,6 +61,10 @@ _backends: weakref.WeakSet[ZooKeeperSession] = weakref.WeakSet()
 def escape(name: str) -> str:
     """One path component for ``name``; a prefix of a name escapes to a prefix of its path."""
     return quote(name, safe="").replace(".", "%2E")
+
+
+#: ``escape`` of the names in use (on every acquire and release).
+_escape = functools.lru_cache(maxsize=4096)(escape)
 
 
 def unescape(component: str) -> str:
@@ -257,10 +262,16 @@ class ZooKeeperSession(BaseLockBackend):
         """
         while True:
             with self._mutex:
-                if not (self._held or self._orphans or self._unsure) or self._client is None:
+                if self._client is None:
                     self._keeper = None
                     return
                 client = self._client
+                busy = bool(self._held or self._orphans or self._unsure)
+            if not busy:
+                # Idle: no request. The thread stays, so that a process taking a
+                # lock after another does not start one each time.
+                time.sleep(self.negotiated() / 5)
+                continue
             sent = time.monotonic()
             try:
                 client.exists(self.root)
@@ -388,7 +399,7 @@ class ZooKeeperSession(BaseLockBackend):
     # --- paths ----------------------------------------------------------------------------
 
     def _dir(self, name: str) -> str:
-        return f"{self.root}/{escape(name)}"
+        return f"{self.root}/{_escape(name)}"
 
     @staticmethod
     def _contenders(children: Iterable[str]) -> list[tuple[str, str]]:
