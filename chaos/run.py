@@ -2,9 +2,10 @@
 
 For each backend this starts its own servers (redis-server, a 3-member etcd
 cluster, a 3-server ZooKeeper ensemble; a database of its own on the
-PostgreSQL and MariaDB servers; a SQLite file), three workers (``chaos/worker.py``), and then runs one phase
-per fault: the fault is injected, lasts a while, is healed, and the workers
-get ``TTL + RECOVERY`` seconds to recover before the next episode. The
+PostgreSQL and MariaDB servers; a SQLite file), three workers
+(``chaos/worker.py``), and then runs one phase per fault: the fault is
+injected, lasts a while, is healed, and the workers get ``TTL + RECOVERY``
+seconds to recover before the next episode. The
 history checker (``chaos/history.py``) then checks each phase.
 
     python -m chaos --seconds 600          # the full matrix, about 10 minutes
