@@ -34,7 +34,6 @@ count) got the lock second. A strict FIFO queue has none.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import multiprocessing
 import os
@@ -48,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import table, warm_pool  # noqa: E402
+from benchmarks.common import handoff_stats, table, warm_pool  # noqa: E402
 
 TTL = 30
 HOLD = 0.001
@@ -196,33 +195,7 @@ def handoff(pool: Any, endpoint: str, kind: str, procs: int, window: float) -> d
     parts = pool.map(
         _window, [(kind, endpoint, name, start_at, start_at + window)] * procs, chunksize=1
     )
-    if len({part[0][3] for part in parts if part}) < procs:
-        raise RuntimeError("the pool did not give each window its own process")
-    records = sorted((r for part in parts for r in part), key=lambda r: r[1])
-    # Hand-off: a grant that came after someone else's release, while we waited.
-    handoffs = sorted(
-        (b[1] - a[2]) * 1000
-        for a, b in itertools.pairwise(records)
-        if b[3] != a[3] and b[0] < a[2]
-    )
-    inversions = sum(
-        1
-        for a, b in itertools.combinations(records, 2)  # a granted before b
-        if b[0] < a[0] - RACE  # b asked clearly first, yet was granted second
-    )
-    n = len(records)
-    return {
-        "cycles_per_s": n / window,
-        "acquisitions": n,
-        "handoffs": len(handoffs),
-        "handoff_p50_ms": handoffs[len(handoffs) // 2] if handoffs else float("nan"),
-        "handoff_p99_ms": handoffs[min(len(handoffs) - 1, int(len(handoffs) * 0.99))]
-        if handoffs
-        else float("nan"),
-        "arrival_order_inversions": inversions,
-        "fewest_per_process": min(len(part) for part in parts),
-        "fair_share": n / procs,
-    }
+    return handoff_stats(parts, procs, window, RACE)
 
 
 def main() -> None:
