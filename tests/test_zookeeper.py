@@ -367,3 +367,21 @@ def _ensured(held: Any) -> bool:
     except Exception:
         return False
     return True
+
+
+def test_an_expired_session_ends_a_lease_nobody_renews_too(name: str) -> None:
+    """renew=False: no lock_lost (nothing watches it), but the handle counts itself lost."""
+    from kazoo.client import KazooClient
+
+    backend = locks["zookeeper"]
+    assert isinstance(backend, ZooKeeperBackend)
+    held = lock(name, backend="zookeeper", ttl=30, renew=False).acquire()
+    twin = KazooClient(hosts=backend.hosts, client_id=backend.client.client_id)
+    twin.start(timeout=10)
+    twin.stop()
+    twin.close()
+    wait_for(lambda: held.lost, 10, "the handle to count its lease lost")
+    with pytest.raises(LockLost):
+        held.ensure()
+    with lock(name, backend="zookeeper", timeout=10) as again:
+        assert again.token > held.token
