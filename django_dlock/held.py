@@ -238,12 +238,12 @@ class HeldLock(LeaseAccounting):
         No later than the backend's ``session_end()``: on ZooKeeper, the
         session timeout after the service last answered this process.
         """
-        return min(self._expires, self.backend.session_end())
+        return min(self._expires, self.backend.session_end(self.owner))
 
     @property
     def expires_in(self) -> float:
         """Seconds until the lease runs out by our conservative estimate, unless renewed."""
-        return min(self._expires, self.backend.session_end()) - time.monotonic()
+        return min(self._expires, self.backend.session_end(self.owner)) - time.monotonic()
 
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless the lock service confirms the lease is ours now.

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 import time
 import types
@@ -139,6 +140,9 @@ class SimBackend:
 
     def drift(self, ttl: float) -> float:
         return 0.0
+
+    def session_end(self, owner: str) -> float:
+        return math.inf  # leases end by their TTLs alone
 
     def _call(self, kind: str, items: list[tuple[str, str, float]]) -> Any:
         call = self.sim.send(kind, items)

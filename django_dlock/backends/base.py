@@ -497,12 +497,12 @@ class BaseLockBackend:
         """
         return 0.0
 
-    def session_end(self) -> float:
-        """The ``time.monotonic()`` instant after which every lease of this process may be gone.
+    def session_end(self, owner: str) -> float:
+        """The ``time.monotonic()`` instant after which ``owner``'s lease may be gone.
 
-        Whatever their TTLs: a ZooKeeper session ends its timeout after the
-        service last heard from the process, so a handle counts on no more
-        than that (``HeldLock.expires_at``). ``math.inf``: leases end by their TTLs alone.
+        Whatever its TTL: a ZooKeeper session ends its timeout after the
+        service last heard from it, so a handle counts on no more than that
+        (``HeldLock.expires_at``). ``math.inf``: leases end by their TTLs alone.
         """
         return math.inf
 

@@ -135,7 +135,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
                 with contextlib.suppress(NodeExistsError):
                     client.ensure_path(directory)
                 continue
-            self._heard(sent)
+            self._heard(sent, int(stat.ephemeralOwner))
             # The session that owns it, from the server: kazoo may have moved to a new
             # session while the create was in flight (the old one expired).
             attempt.node, attempt.czxid = path, int(stat.czxid)
@@ -242,7 +242,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
             return False
         except ERRORS as e:
             raise self._unavailable(name, e) from e
-        self._heard(sent)
+        self._heard(sent, held.session)
         with self._mutex:
             held.expires = max(held.expires, sent + ttl)
         return True
@@ -273,7 +273,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
             except ERRORS as e:
                 results.append(self._unavailable(name, e))
             else:
-                self._heard(sent)
+                self._heard(sent, held.session)
                 with self._mutex:
                     held.expires = max(held.expires, sent + ttl)
                 results.append(True)

@@ -64,14 +64,15 @@ class ZooKeeperOperations(ZooKeeperSession):
         transaction = client.transaction()
         transaction.delete(path, version=stat.version)
         transaction.create(new_path, json.dumps(holder).encode(), ephemeral=True)
+        session = self._session()
         try:
             results = transaction.commit()
         except ERRORS as e:
             raise self._unavailable(name, e) from e
         if any(isinstance(r, Exception) for r in results):
             return False
-        held = Held(name, new_path, int(token), sent + ttl, self._session(), json.dumps(holder))
-        self._heard(sent)
+        held = Held(name, new_path, int(token), sent + ttl, session, json.dumps(holder))
+        self._heard(sent, session)
         with self._mutex:
             self._held[new_owner] = held
             self._keep()

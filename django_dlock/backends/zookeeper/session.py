@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import functools
 import logging
+import math
 import os
 import re
 import threading
@@ -178,8 +179,10 @@ class ZooKeeperSession(BaseLockBackend):
         self._unsure: dict[tuple[str, str], float] = {}
         #: owners whose acquisition is under way (they delete their own ghosts)
         self._waiting: set[str] = set()
-        #: ``time.monotonic()`` when the latest request the service answered was sent.
+        #: When the latest answered request of the current session was sent
+        #: (``time.monotonic()``), and that session's id.
         self._confirmed = 0.0
+        self._confirmed_session: int | None = None
         self._mutex = threading.Lock()
         _backends.add(self)
 
@@ -240,15 +243,28 @@ class ZooKeeperSession(BaseLockBackend):
         granted = getattr(client, "_session_timeout", 0) if client is not None else 0
         return granted / 1000 if granted else self.session_timeout
 
-    def session_end(self) -> float:
-        # Our nodes live while the session does: until the session timeout after
-        # the service last heard from us. A handle never counts on more.
+    def session_end(self, owner: str) -> float:
+        # A node lives while its session does: until the session timeout after
+        # the service last heard from it. A handle never counts on more, and on
+        # nothing once its session is gone (its entry goes with it).
+        held = self._held.get(owner)
+        if held is None or held.session is None or held.session != self._confirmed_session:
+            return -math.inf
         return self._confirmed + self.negotiated()
 
-    def _heard(self, sent: float) -> None:
-        """A request sent at ``sent`` was answered: the session lived then."""
-        if sent > self._confirmed:
-            self._confirmed = sent
+    def _heard(self, sent: float, session: int | None) -> None:
+        """A request of ``session``'s sent at ``sent`` was answered: it lived then.
+
+        Only the current session's answers count: a new session's say nothing
+        of the nodes of the one that expired.
+        """
+        if session is None or session != self._session():
+            return
+        with self._mutex:
+            if session != self._confirmed_session:
+                self._confirmed_session, self._confirmed = session, sent
+            elif sent > self._confirmed:
+                self._confirmed = sent
 
     def _keepalive(self) -> None:
         """While this process has nodes here: confirm the session, and tidy up.
@@ -272,13 +288,13 @@ class ZooKeeperSession(BaseLockBackend):
                 # lock after another does not start one each time.
                 time.sleep(self.negotiated() / 5)
                 continue
-            sent = time.monotonic()
+            sent, session = time.monotonic(), self._session()
             try:
                 client.exists(self.root)
             except ERRORS:
                 logger.debug("Confirming the ZooKeeper session failed", exc_info=True)
             else:
-                self._heard(sent)
+                self._heard(sent, session)
                 self._tidy(sent)
             time.sleep(self.negotiated() / 5)
 
@@ -349,8 +365,8 @@ class ZooKeeperSession(BaseLockBackend):
     def _on_state(self, state: str) -> None:
         """kazoo's listener (its own thread: no calls to ZooKeeper here)."""
         if state == KazooState.LOST:
-            self._confirmed = 0.0
             with self._mutex:
+                self._confirmed_session, self._confirmed = None, 0.0
                 lost = [h for h in self._held.values() if h.session is not None]
                 for held in lost:
                     held.session = None
@@ -527,6 +543,7 @@ def _reset_after_fork() -> None:
         backend._unsure = {}
         backend._waiting = set()
         backend._confirmed = 0.0
+        backend._confirmed_session = None
 
 
 def _close_at_exit() -> None:
