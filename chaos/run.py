@@ -1,8 +1,8 @@
 """``make chaos``: every backend against every fault, checked, as one table.
 
 For each backend this starts its own servers (redis-server, a 3-member etcd
-cluster, a 3-server ZooKeeper ensemble; a database of its own on the
-PostgreSQL and MariaDB servers; a SQLite file), three workers
+cluster, a 3-server ZooKeeper ensemble and a standalone server; a database
+of its own on the PostgreSQL and MariaDB servers; a SQLite file), three workers
 (``chaos/worker.py``), and then runs one phase per fault: the fault is
 injected, lasts a while, is healed, and the workers get ``TTL + RECOVERY``
 seconds to recover before the next episode. The
@@ -78,7 +78,12 @@ FAULTS = {
     for f in (
         Fault("pause", TTL + 1, pauses=True, what="SIGSTOP the holder past its TTL, then SIGCONT"),
         Fault("kill", 0.2, what="SIGKILL the holder, respawn it"),
-        Fault("restart", 1.0, loses_data=True, what="kill redis-server (no persistence), restart"),
+        Fault(
+            "restart",
+            1.0,
+            loses_data=True,
+            what="kill the server (redis-server keeps no data; ZooKeeper keeps its own), restart",
+        ),
         Fault("leader", 2.0, what="kill the leader of 3 members (etcd, ZooKeeper), restart it"),
         Fault("terminate", 0.0, what="end the lock connections on the server"),
         Fault("filelock", 3.0, what="another process holds SQLite's write lock"),
@@ -294,6 +299,22 @@ class ZooKeeperTarget(Target):
             server.cleanup()
 
 
+class ZooKeeperStandaloneTarget(ZooKeeperTarget):
+    """One server; ``restart`` stops and starts it (its data on disk: sessions survive)."""
+
+    name = "zookeeper1"
+    faults = ("pause", "kill", "restart", *NETWORK, *PROXIED)
+
+    def start(self, run: Run) -> None:
+        self.servers = start_zookeeper([(free_port(), free_port(), free_port())])
+        self.down = None
+
+    def inject(self, fault: str) -> None:
+        assert fault == "restart"
+        self.down = self.servers[0]
+        self.down.kill()
+
+
 class PostgresTarget(Target):
     name = "postgresql"
     faults = ("pause", "kill", "terminate", *NETWORK, *PROXIED)
@@ -435,7 +456,7 @@ def _write_atomic(path: Path, text: str) -> None:
 #: What ``--kind`` makes the workers hold.
 KINDS = ("mutex", "semaphore", "rwlock")
 #: Targets whose backend has no semaphores.
-NO_SEMAPHORES = ("redlock", "zookeeper")
+NO_SEMAPHORES = ("redlock", "zookeeper", "zookeeper1")
 
 TARGETS: dict[str, type[Target]] = {
     t.name: t
@@ -444,6 +465,7 @@ TARGETS: dict[str, type[Target]] = {
         RedlockTarget,
         EtcdTarget,
         ZooKeeperTarget,
+        ZooKeeperStandaloneTarget,
         PostgresTarget,
         MariaDBTarget,
         SQLiteTarget,
