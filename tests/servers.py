@@ -367,7 +367,9 @@ class ZooKeeperServer(_ServerProcess):
     maps server id -> (client port, quorum port, election port).
     """
 
-    def __init__(self, sid: int, ensemble: dict[int, tuple[int, int, int]]) -> None:
+    def __init__(
+        self, sid: int, ensemble: dict[int, tuple[int, int, int]], extra: tuple[str, ...] = ()
+    ) -> None:
         self.sid = sid
         self.ensemble = ensemble
         self.client_port = ensemble[sid][0]
@@ -385,6 +387,7 @@ class ZooKeeperServer(_ServerProcess):
             "admin.enableServer=false",
             "4lw.commands.whitelist=srvr,ruok,mntr,stat",
             "maxClientCnxns=0",
+            *extra,
         ]
         if len(ensemble) > 1:
             for i, (_, quorum, election) in sorted(ensemble.items()):
@@ -457,10 +460,15 @@ class ZooKeeperServer(_ServerProcess):
         self.start()
 
 
-def start_zookeeper(ports: list[tuple[int, int, int]]) -> list[ZooKeeperServer]:
-    """A standalone server (one port triple) or an ensemble (three), started together."""
+def start_zookeeper(
+    ports: list[tuple[int, int, int]], extra: tuple[str, ...] = ()
+) -> list[ZooKeeperServer]:
+    """A standalone server (one port triple) or an ensemble (three), started together.
+
+    ``extra``: more ``zoo.cfg`` lines (``maxSessionTimeout=20000``).
+    """
     ensemble = {i + 1: triple for i, triple in enumerate(ports)}
-    servers = [ZooKeeperServer(sid, ensemble) for sid in ensemble]
+    servers = [ZooKeeperServer(sid, ensemble, extra) for sid in ensemble]
     try:
         for server in servers:
             server.start(wait=False)

@@ -23,7 +23,7 @@ from django.test import override_settings
 
 from django_dlock import LockLost, LockTimeout, lock, locks
 from django_dlock.backends.zookeeper import ZooKeeperBackend
-from django_dlock.backends.zookeeper.session import escape, parse_location
+from django_dlock.backends.zookeeper.paths import escape, parse_location
 from django_dlock.checks import check_backends
 from django_dlock.exceptions import LockConfigurationError
 from django_dlock.signals import lock_lost
@@ -276,6 +276,8 @@ def test_location_forms(location: Any, chroot: str | None, hosts: str) -> None:
         ({"LOCATION": "a:1", "OPTIONS": {"session_timeout": 0}}, "session_timeout"),
         ({"LOCATION": "a:1", "OPTIONS": {"auth": [("digest",)]}}, "auth"),
         ({"LOCATION": "a:1", "OPTIONS": {"ttl": 3}}, "ttl"),
+        ({"LOCATION": "a:1", "OPTIONS": {"sweep": "no"}}, "sweep"),
+        ({"LOCATION": "zk://app:s3cret@127.0.0.1:2181/x"}, "OPTIONS\\['auth'\\]"),
     ],
 )
 def test_bad_settings_are_check_errors(params: dict[str, Any], mentions: str) -> None:
@@ -287,6 +289,7 @@ def test_bad_settings_are_check_errors(params: dict[str, Any], mentions: str) ->
         errors = list(check_backends())
     assert [e.id for e in errors] in (["django_dlock.E006"], ["django_dlock.E004"]), errors
     assert "'z'" in errors[0].msg
+    assert "s3cret" not in errors[0].msg
 
 
 def test_a_ttl_shorter_than_the_session_is_a_warning() -> None:
@@ -336,16 +339,16 @@ def test_a_late_create_after_the_attempt_ended_is_deleted(name: str) -> None:
 
 def test_a_standalone_server_restarted_keeps_the_sessions_locks(name: str) -> None:
     """Stop and start a standalone server (its data on disk): the session, and the lock
-    on it, survive; another client stays excluded; tokens keep increasing."""
+    on it, survive; another client stays excluded; tokens keep increasing.
+
+    Sessions of 8 s: the restart (a JVM's start) must take less than that."""
     from tests.servers import free_port, start_zookeeper
 
-    [server] = start_zookeeper([(free_port(), free_port(), free_port())])
-    backend = ZooKeeperBackend(
-        "zk-restart", {"LOCATION": server.endpoint, "OPTIONS": {"session_timeout": 2.0}}
-    )
-    other = ZooKeeperBackend(
-        "zk-restart-2", {"LOCATION": server.endpoint, "OPTIONS": {"session_timeout": 2.0}}
-    )
+    ports = [(free_port(), free_port(), free_port())]
+    [server] = start_zookeeper(ports, extra=("maxSessionTimeout=20000",))
+    options = {"session_timeout": 8.0}
+    backend = ZooKeeperBackend("zk-restart", {"LOCATION": server.endpoint, "OPTIONS": options})
+    other = ZooKeeperBackend("zk-restart-2", {"LOCATION": server.endpoint, "OPTIONS": options})
     try:
         held = backend.acquire(name, ttl=30)
         server.restart()
@@ -388,3 +391,106 @@ def test_an_expired_session_ends_a_lease_nobody_renews_too(name: str) -> None:
         assert held.lost and not again.lost
     with pytest.raises(LockLost):
         held.ensure()
+
+
+def _own_server() -> Any:
+    from tests.servers import free_port, start_zookeeper
+
+    [server] = start_zookeeper([(free_port(), free_port(), free_port())])
+    return server
+
+
+def _outcome(call: Any, limit: float) -> tuple[str, float]:
+    """What ``call()`` did within ``limit`` s in a thread: ("returned"/an error name/"hung")."""
+    result: list[str] = []
+
+    def run() -> None:
+        try:
+            call()
+            result.append("returned")
+        except Exception as e:
+            result.append(type(e).__name__)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    return (result[0] if result else "hung"), time.monotonic() - started
+
+
+def test_calls_give_up_when_the_server_is_gone(name: str) -> None:
+    """Review: with the only server dead, release, get, list and acquire blocked for good
+    (kazoo's blocking calls have no limit); each now ends within its timeouts."""
+    server = _own_server()
+    backend = ZooKeeperBackend(
+        "zk-gone", {"LOCATION": server.endpoint, "OPTIONS": {"session_timeout": 2, "timeout": 1}}
+    )
+    try:
+        held = backend.acquire(name, ttl=30)
+        server.kill()
+        outcomes = {
+            "acquire": _outcome(lambda: backend.acquire(f"{name}:2", timeout=2), 15),
+            "release": _outcome(held.release, 15),
+            "get": _outcome(lambda: backend.get(name), 15),
+            "list": _outcome(lambda: backend.list(name), 15),
+        }
+        assert all(what != "hung" for what, _ in outcomes.values()), outcomes
+        assert outcomes["get"][0] == outcomes["list"][0] == "BackendUnavailable", outcomes
+        assert outcomes["acquire"][0] in ("LockTimeout", "BackendUnavailable"), outcomes
+    finally:
+        backend.close()
+        server.cleanup()
+
+
+def test_a_server_that_lost_its_data_is_locked_on_again(name: str) -> None:
+    """Review: a server restarted without its data refuses the old session (it has seen
+    a later zxid) for good, and kazoo offered it forever: the backend gives that
+    client up once its session cannot have lived, and locks on a new one."""
+    server = _own_server()
+    backend = ZooKeeperBackend(
+        "zk-wiped", {"LOCATION": server.endpoint, "OPTIONS": {"session_timeout": 2, "timeout": 1}}
+    )
+    try:
+        held = backend.acquire(name, ttl=30)
+        server.stop()
+        import shutil
+
+        shutil.rmtree(server.dir / "data" / "version-2", ignore_errors=True)
+        server.start()
+        wait_for(lambda: held.lost, 10, "the old lease to count as lost")
+        again = backend.acquire(name, timeout=20)
+        again.release()
+    finally:
+        backend.close()
+        server.cleanup()
+
+
+def test_a_holder_cut_off_hears_lock_lost_by_its_session_timeout(name: str) -> None:
+    """Review: a holder (ttl 30) cut off from ZooKeeper counted its lease gone after its
+    2 s session, but lock_lost came only with its next renewal's failure, 8 s later."""
+    from tests.netproxy import Proxy
+
+    server = _own_server()
+    proxy = Proxy(server.client_port)
+    backend = ZooKeeperBackend(
+        "zk-cut", {"LOCATION": f"127.0.0.1:{proxy.port}", "OPTIONS": {"session_timeout": 2}}
+    )
+    heard: list[float] = []
+
+    def on_lost(sender: Any, **kw: Any) -> None:
+        if kw["name"] == name:
+            heard.append(time.monotonic())
+
+    lock_lost.connect(on_lost)
+    try:
+        held = backend.acquire(name, ttl=30)
+        cut = time.monotonic()
+        proxy.close()
+        wait_for(lambda: bool(heard), 15, "lock_lost")
+        assert heard[0] - cut < 2.0 + 1.5, heard[0] - cut
+        assert held.lost
+    finally:
+        lock_lost.disconnect(on_lost)
+        backend.close()
+        proxy.close()
+        server.cleanup()

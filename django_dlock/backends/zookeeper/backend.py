@@ -17,7 +17,8 @@ from kazoo.exceptions import (
 
 from ..base import Attempt, BackendUnavailable, Grant, load_holder
 from .operations import ZooKeeperOperations, with_ttl
-from .session import ERRORS, NODE_MARK, WAIT_CAP, Held
+from .paths import ERRORS, NODE_MARK, WAIT_CAP
+from .session import Held
 
 logger = logging.getLogger("django_dlock")
 
@@ -80,7 +81,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
             if attempt.node is None:
                 children = self._create(attempt, directory, client)
             else:
-                children = client.get_children(directory)
+                children = self.zk.get_children(directory)
         except NoNodeError:
             children = []
         except ERRORS as e:
@@ -133,7 +134,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
                 with contextlib.suppress(NoNodeError):
                     listed.get(timeout=self.timeout)
                 with contextlib.suppress(NodeExistsError):
-                    client.ensure_path(directory)
+                    self.zk.ensure_path(directory)
                 continue
             self._heard(sent, int(stat.ephemeralOwner))
             # The session that owns it, from the server: kazoo may have moved to a new
@@ -147,15 +148,15 @@ class ZooKeeperBackend(ZooKeeperOperations):
     def _find_node(self, attempt: ZooKeeperAttempt, directory: str) -> None:
         try:
             # A follower may not have applied our create yet: read what the leader has.
-            self.client.sync(directory)
-            children = self.client.get_children(directory)
+            self.zk.sync(directory)
+            children = self.zk.get_children(directory)
         except NoNodeError:
             return
         mark = attempt.owner + NODE_MARK
         for child in children:
             if child.startswith(mark):
                 path = f"{directory}/{child}"
-                stat = self.client.exists(path)
+                stat = self.zk.exists(path)
                 if stat is not None:
                     attempt.node, attempt.czxid = path, int(stat.czxid)
                     attempt.session = int(stat.ephemeralOwner)
@@ -184,7 +185,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
             return
         event = attempt.waking = threading.Event()
         try:
-            if self.client.exists(ahead, watch=lambda _event: event.set()) is None:
+            if self.zk.exists(ahead, watch=lambda _event: event.set()) is None:
                 return
         except ERRORS as e:
             raise self._unavailable(attempt.name, e) from e
@@ -235,7 +236,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
         if held.expires <= sent:
             return False  # ran out here: ``_tidy`` deletes its node
         try:
-            self.client.set(held.path, with_ttl(held.holder, ttl))
+            self.zk.set(held.path, with_ttl(held.holder, ttl))
         except NoNodeError:
             with self._mutex:
                 self._held.pop(owner, None)
@@ -250,7 +251,10 @@ class ZooKeeperBackend(ZooKeeperOperations):
     def do_extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | Exception]:
         """Every renewal sent at once, pipelined on the session, then each answer read."""
         sent = time.monotonic()
-        client = self.client
+        try:
+            client = self.client
+        except BackendUnavailable as e:
+            return [e] * len(leases)
         pending: list[tuple[Held | None, Any]] = []
         for name, owner, ttl in leases:
             with self._mutex:
@@ -285,7 +289,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
         if held is None or held.name != name or held.expires <= time.monotonic():
             return False
         try:
-            self.client.sync(held.path)
-            return self.client.exists(held.path) is not None
+            self.zk.sync(held.path)
+            return self.zk.exists(held.path) is not None
         except ERRORS as e:
             raise self._unavailable(name, e) from e

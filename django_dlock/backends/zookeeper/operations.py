@@ -16,7 +16,8 @@ from kazoo.exceptions import (
 )
 
 from ..base import LockInfo, load_holder
-from .session import ERRORS, NODE_MARK, TOKEN_KEY, Held, ZooKeeperSession, escape, unescape
+from .paths import ERRORS, NODE_MARK, TOKEN_KEY, escape, unescape
+from .session import Held, ZooKeeperSession
 
 logger = logging.getLogger("django_dlock")
 
@@ -49,7 +50,7 @@ class ZooKeeperOperations(ZooKeeperSession):
         if not child.startswith(owner + NODE_MARK):
             return False
         try:
-            data, stat = client.get(path)
+            data, stat = self.zk.get(path)
         except NoNodeError:
             return False
         except ERRORS as e:
@@ -66,7 +67,7 @@ class ZooKeeperOperations(ZooKeeperSession):
         transaction.create(new_path, json.dumps(holder).encode(), ephemeral=True)
         session = self._session()
         try:
-            results = transaction.commit()
+            results = self.zk.commit(transaction)
         except ERRORS as e:
             raise self._unavailable(name, e) from e
         if any(isinstance(r, Exception) for r in results):
@@ -85,11 +86,10 @@ class ZooKeeperOperations(ZooKeeperSession):
 
     def do_break(self, name: str, token: int | None) -> bool:
         directory = self._dir(name)
-        client = self.client
         try:
             for _ in range(10):
                 try:
-                    children = client.get_children(directory)
+                    children = self.zk.get_children(directory)
                 except NoNodeError:
                     return False
                 contenders = self._contenders(children)
@@ -97,13 +97,13 @@ class ZooKeeperOperations(ZooKeeperSession):
                     return False
                 path = f"{directory}/{contenders[0][1]}"
                 try:
-                    data, stat = client.get(path)
+                    data, stat = self.zk.get(path)
                 except NoNodeError:
                     continue  # released meanwhile: look again
                 if token is not None and _token(data, stat) != token:
                     return False
                 try:
-                    client.delete(path, version=stat.version)
+                    self.zk.delete(path, version=stat.version)
                 except (NoNodeError, BadVersionError):
                     if token is not None:
                         return False
@@ -117,8 +117,8 @@ class ZooKeeperOperations(ZooKeeperSession):
     def do_ping(self) -> tuple[str, tuple[str, ...]]:
         client = self.client
         try:
-            client.sync("/")
-            client.exists(self.root)
+            self.zk.sync("/")
+            self.zk.exists(self.root)
         except ERRORS as e:
             raise self._unavailable("", e) from e
         version = "ZooKeeper"
@@ -136,7 +136,7 @@ class ZooKeeperOperations(ZooKeeperSession):
         start = escape(prefix)
         try:
             try:
-                names = [n for n in client.get_children(self.root) if n.startswith(start)]
+                names = [n for n in self.zk.get_children(self.root) if n.startswith(start)]
             except NoNodeError:
                 return []
             listings = [(n, client.get_children_async(f"{self.root}/{n}")) for n in names]
@@ -163,17 +163,16 @@ class ZooKeeperOperations(ZooKeeperSession):
 
     def do_get(self, name: str) -> LockInfo | None:
         directory = self._dir(name)
-        client = self.client
         try:
             for _ in range(10):
                 try:
-                    contenders = self._contenders(client.get_children(directory))
+                    contenders = self._contenders(self.zk.get_children(directory))
                 except NoNodeError:
                     return None
                 if not contenders:
                     return None
                 try:
-                    data, stat = client.get(f"{directory}/{contenders[0][1]}")
+                    data, stat = self.zk.get(f"{directory}/{contenders[0][1]}")
                 except NoNodeError:
                     continue
                 return self._info(name, data, stat, datetime.now(timezone.utc))

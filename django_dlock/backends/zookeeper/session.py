@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import logging
 import math
 import os
-import re
 import threading
 import time
 import warnings
@@ -23,92 +21,28 @@ import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, unquote
 
 from django.core import checks
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import (
-    KazooException,
     NoNodeError,
     NotEmptyError,
 )
-from kazoo.handlers.threading import KazooTimeoutError
 
 from ..base import BackendUnavailable, BaseLockBackend
+from .paths import (
+    CONTENDER,
+    ERRORS,
+    GHOST_WATCH,
+    NODE_MARK,
+    SWEEP_AFTER,
+    Bounded,
+    _escape,
+    escape,
+    parse_location,
+)
 
 logger = logging.getLogger("django_dlock")
-
-
-#: What our nodes are called after the owner token: kazoo's ``Lock`` reads these.
-NODE_MARK = "__lock__"
-#: Contenders: kazoo's nodes (``__lock__``) and Curator's (``-lock-``), by sequence.
-CONTENDER = re.compile(r"(?:__lock__|-lock-)(-?\d{10})$")
-#: In the data of an adopted lease's node: the token it keeps.
-TOKEN_KEY = "\x1fdlock:token"
-#: A wait on the node ahead re-reads the children at least this often (seconds):
-#: a safety net for a watch lost with a connection, not the way waiters are woken.
-WAIT_CAP = 5.0
-#: How long a create that went unanswered may still land (seconds): a request
-#: queued on a connection that is down waits for it, and for the session, to come back.
-GHOST_WATCH = 120.0
-#: Empty lock directories are deleted this long after their last release (seconds).
-SWEEP_AFTER = 2.0
-
-ERRORS: tuple[type[BaseException], ...] = (KazooException, KazooTimeoutError)
-
-_backends: weakref.WeakSet[ZooKeeperSession] = weakref.WeakSet()
-
-
-def escape(name: str) -> str:
-    """One path component for ``name``; a prefix of a name escapes to a prefix of its path."""
-    return quote(name, safe="").replace(".", "%2E")
-
-
-#: ``escape`` of the names in use (on every acquire and release).
-_escape = functools.lru_cache(maxsize=4096)(escape)
-
-
-def unescape(component: str) -> str:
-    return unquote(component)
-
-
-def parse_location(location: Any, chroot: str | None) -> str:
-    """kazoo's ``hosts`` string (``h1:p1,h2:p2/chroot``) from ``LOCATION`` and ``chroot``."""
-    if isinstance(location, (list, tuple)):
-        if not location or not all(isinstance(h, str) and h for h in location):
-            raise ValueError("LOCATION must be a non-empty list of 'host:port' strings.")
-        text = ",".join(location)
-    elif isinstance(location, str) and location:
-        text = location
-    else:
-        raise ValueError(
-            "LOCATION must be 'host:port', a list of them, or a 'zk://host:port,.../chroot' URL."
-        )
-    path = ""
-    if text.startswith("zk://"):
-        text = text[len("zk://") :]
-        if "/" in text:
-            text, path = text.split("/", 1)
-            path = "/" + path.rstrip("/") if path.strip("/") else ""
-    elif "://" in text:
-        raise ValueError(f"LOCATION {location!r}: the only URL scheme is zk://.")
-    elif "/" in text:
-        text, path = text.split("/", 1)
-        path = "/" + path.rstrip("/") if path.strip("/") else ""
-    hosts = [h.strip() for h in text.split(",")]
-    for host in hosts:
-        h, sep, port = host.rpartition(":")
-        if not host or (sep and (not h or not port.isdigit() or not 0 < int(port) < 65536)):
-            raise ValueError(f"LOCATION {location!r}: {host!r} is not 'host:port'.")
-    if chroot is not None:
-        if path:
-            raise ValueError(
-                "the chroot is given twice: in LOCATION's path and OPTIONS['chroot']."
-            )
-        path = chroot.rstrip("/")
-    if path and (not path.startswith("/") or "//" in path or "\x00" in path):
-        raise ValueError(f"the chroot {path!r} must be an absolute path such as '/myapp'.")
-    return ",".join(hosts) + path
 
 
 @dataclass(eq=False)
@@ -125,6 +59,9 @@ class Held:
     holder: str
 
 
+_backends: weakref.WeakSet[ZooKeeperSession] = weakref.WeakSet()
+
+
 class ZooKeeperSession(BaseLockBackend):
     """Settings, the client and the session; the recipe is ``backend.py``."""
 
@@ -138,13 +75,16 @@ class ZooKeeperSession(BaseLockBackend):
     #: A killed holder's session ends up to a third of the session timeout
     #: (its last ping) plus two ticks after its last renewal.
     expiry_slack = 1.0
-    allowed_options = frozenset({"chroot", "session_timeout", "timeout", "auth"})
+    allowed_options = frozenset({"chroot", "session_timeout", "timeout", "auth", "sweep"})
 
     def __init__(self, alias: str, params: Mapping[str, Any]) -> None:
         super().__init__(alias, params)
         options = self.options
         self.session_timeout = self._number_option("session_timeout", 10.0)
         self.timeout = self._number_option("timeout", 5.0)
+        self.sweep = options.get("sweep", True)
+        if not isinstance(self.sweep, bool):
+            raise self.config_error("OPTIONS['sweep'] must be True or False.")
         chroot = options.get("chroot")
         if chroot is not None and not isinstance(chroot, str):
             raise self.config_error("OPTIONS['chroot'] must be a str such as '/myapp'.")
@@ -173,6 +113,8 @@ class ZooKeeperSession(BaseLockBackend):
         self._sweep: dict[str, float] = {}
         self._sweeper: threading.Timer | None = None
         self._keeper: threading.Thread | None = None
+        #: ``time.monotonic()`` since when kazoo has been disconnected (None: connected)
+        self._suspended_since: float | None = None
         #: our nodes a failed call left behind: path -> lock name (``_tidy``)
         self._orphans: dict[str, str] = {}
         #: (directory, owner) of creates that went unanswered -> until when to look
@@ -208,7 +150,12 @@ class ZooKeeperSession(BaseLockBackend):
     def client(self) -> KazooClient:
         client = self._client
         if client is not None:
-            return client
+            since = self._suspended_since
+            if since is None or time.monotonic() - since < self.negotiated() + self.timeout:
+                return client
+            # Cut off for longer than its session could outlive: that session is
+            # gone, and a server that lost its data refuses it for good.
+            self._drop_client(client, "the ZooKeeper session could not be reached")
         with self._client_mutex:
             if self._client is None:
                 client = KazooClient(
@@ -230,6 +177,11 @@ class ZooKeeperSession(BaseLockBackend):
                     raise self._unavailable("", e) from e
                 self._client = client
             return self._client
+
+    @property
+    def zk(self) -> Bounded:
+        """The client's blocking calls, each bounded by ``OPTIONS["timeout"]``."""
+        return Bounded(self.client, self.timeout)
 
     def _session(self) -> int | None:
         client = self._client
@@ -289,14 +241,20 @@ class ZooKeeperSession(BaseLockBackend):
                 time.sleep(self.negotiated() / 5)
                 continue
             sent, session = time.monotonic(), self._session()
+            period = self.negotiated() / 5
             try:
-                client.exists(self.root)
+                Bounded(client, min(self.timeout, period)).exists(self.root)
             except ERRORS:
                 logger.debug("Confirming the ZooKeeper session failed", exc_info=True)
+                if self._held and time.monotonic() > self._confirmed + self.negotiated():
+                    # Unconfirmed for a whole session timeout: every handle counts
+                    # its lease gone already; report it now, not at a renewal.
+                    reason = "the ZooKeeper session could not be confirmed in time"
+                    self._session_gone(reason, orphan=True)
             else:
                 self._heard(sent, session)
                 self._tidy(sent)
-            time.sleep(self.negotiated() / 5)
+            time.sleep(period)
 
     def _tidy(self, now: float) -> None:
         """Delete the nodes left behind, and those whose lease ran out here."""
@@ -334,9 +292,10 @@ class ZooKeeperSession(BaseLockBackend):
         if client is None:
             return
         mark = owner + NODE_MARK
+        bounded = Bounded(client, self.timeout)
         try:
-            client.sync(directory)
-            children = client.get_children(directory)
+            bounded.sync(directory)
+            children = bounded.get_children(directory)
         except NoNodeError:
             return
         except ERRORS:
@@ -346,7 +305,7 @@ class ZooKeeperSession(BaseLockBackend):
             path = f"{directory}/{child}"
             if child.startswith(mark) and path != keep:
                 with contextlib.suppress(*ERRORS):
-                    client.delete(path)
+                    bounded.delete(path)
 
     def _orphan(self, name: str, path: str) -> None:
         """``path`` (or, ending in ``NODE_MARK``, our node with that prefix) must go."""
@@ -364,18 +323,52 @@ class ZooKeeperSession(BaseLockBackend):
 
     def _on_state(self, state: str) -> None:
         """kazoo's listener (its own thread: no calls to ZooKeeper here)."""
+        if state == KazooState.CONNECTED:
+            self._suspended_since = None
+            return
+        if self._suspended_since is None:
+            self._suspended_since = time.monotonic()
         if state == KazooState.LOST:
-            with self._mutex:
-                self._confirmed_session, self._confirmed = None, 0.0
-                lost = [h for h in self._held.values() if h.session is not None]
-                for held in lost:
-                    held.session = None
-            if lost:
-                threading.Thread(
-                    target=self._mark_lost, args=(lost,), daemon=True, name="django-dlock-zk-lost"
-                ).start()
+            self._session_gone("the ZooKeeper session expired")
 
-    def _mark_lost(self, lost: list[Held]) -> None:
+    def _session_gone(self, reason: str, orphan: bool = False) -> None:
+        """Every lease of the session is lost: marked so at once, with ``lock_lost``.
+
+        ``orphan``: the session may still live (it could not be confirmed in
+        time), so its nodes are deleted once ZooKeeper answers (``_tidy``).
+        """
+        with self._mutex:
+            self._confirmed_session, self._confirmed = None, 0.0
+            lost = [h for h in self._held.values() if h.session is not None]
+            for held in lost:
+                held.session = None
+                if orphan:
+                    self._orphans[held.path] = held.name
+        if lost:
+            threading.Thread(
+                target=self._mark_lost,
+                args=(lost, reason),
+                daemon=True,
+                name="django-dlock-zk-lost",
+            ).start()
+
+    def _drop_client(self, client: KazooClient, reason: str) -> None:
+        """Give up ``client`` and its session; the next call opens a new one.
+
+        Its leases are lost (``_session_gone``); ending the session deletes
+        their nodes, or the server does when the session times out.
+        """
+        with self._client_mutex:
+            if self._client is not client:
+                return
+            self._client = None
+            self._suspended_since = None
+        self._session_gone(reason)
+        threading.Thread(
+            target=_stop, args=(client,), daemon=True, name="django-dlock-zk-close"
+        ).start()
+
+    def _mark_lost(self, lost: list[Held], reason: str) -> None:
         from ...watchdog import get_watchdog
 
         owners = {id(h) for h in lost}
@@ -385,7 +378,7 @@ class ZooKeeperSession(BaseLockBackend):
                 del self._held[owner]
         for handle in get_watchdog().scheduled(self.alias):
             if getattr(handle, "owner", None) in gone and handle.backend is self:
-                handle.lost_on_server("the ZooKeeper session expired")
+                handle.lost_on_server(reason)
 
     def _unavailable(self, name: str, e: BaseException) -> BackendUnavailable:
         what = f"lock {name!r}" if name else "the service"
@@ -453,12 +446,12 @@ class ZooKeeperSession(BaseLockBackend):
         try:
             if path.endswith(NODE_MARK):
                 directory, mark = path.rsplit("/", 1)
-                found = [c for c in self.client.get_children(directory) if c.startswith(mark)]
+                found = [c for c in self.zk.get_children(directory) if c.startswith(mark)]
                 for child in found:
-                    self.client.delete(f"{directory}/{child}")
+                    self.zk.delete(f"{directory}/{child}")
                 deleted = bool(found)
             else:
-                self.client.delete(path, version=version)
+                self.zk.delete(path, version=version)
                 deleted = True
         except NoNodeError:
             deleted = False
@@ -472,6 +465,8 @@ class ZooKeeperSession(BaseLockBackend):
         return deleted
 
     def _schedule_sweep(self, name: str) -> None:
+        if not self.sweep:
+            return
         with self._mutex:
             self._sweep[self._dir(name)] = time.monotonic() + SWEEP_AFTER
             if self._sweeper is None:
@@ -496,7 +491,7 @@ class ZooKeeperSession(BaseLockBackend):
                 if directory in busy:
                     continue
                 try:
-                    client.delete(directory)
+                    Bounded(client, self.timeout).delete(directory)
                 except (NotEmptyError, NoNodeError):
                     pass
                 except ERRORS:
@@ -516,7 +511,7 @@ class ZooKeeperSession(BaseLockBackend):
             return held.path
         directory = self._dir(name)
         try:
-            children = self.client.get_children(directory)
+            children = self.zk.get_children(directory)
         except NoNodeError:
             return None
         except ERRORS as e:
@@ -526,6 +521,14 @@ class ZooKeeperSession(BaseLockBackend):
             if child.startswith(mark):
                 return f"{directory}/{child}"
         return None
+
+
+def _stop(client: KazooClient) -> None:
+    try:
+        client.stop()
+        client.close()
+    except Exception:  # pragma: no cover - the session ends with the server's timeout anyway
+        logger.debug("Closing a ZooKeeper client failed", exc_info=True)
 
 
 def _reset_after_fork() -> None:
@@ -539,6 +542,7 @@ def _reset_after_fork() -> None:
         backend._sweep = {}
         backend._sweeper = None
         backend._keeper = None
+        backend._suspended_since = None
         backend._orphans = {}
         backend._unsure = {}
         backend._waiting = set()
