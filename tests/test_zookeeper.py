@@ -494,3 +494,21 @@ def test_a_holder_cut_off_hears_lock_lost_by_its_session_timeout(name: str) -> N
         backend.close()
         proxy.close()
         server.cleanup()
+
+
+@pytest.mark.parametrize("sweep", [True, False])
+def test_empty_lock_directories_are_swept_unless_told_not_to(name: str, sweep: bool) -> None:
+    location = settings.DLOCK_BACKENDS["zookeeper"]["LOCATION"]
+    backend = ZooKeeperBackend(
+        "zk-sweep", {"LOCATION": location, "OPTIONS": {"session_timeout": 2, "sweep": sweep}}
+    )
+    try:
+        backend.acquire(name).release()
+        directory = backend._dir(name)
+        if sweep:
+            wait_for(lambda: backend.zk.exists(directory) is None, 15, "the sweep")
+        else:
+            time.sleep(3 * 2.0)  # past the sweep's delay (2 s)
+            assert backend.zk.exists(directory) is not None
+    finally:
+        backend.close()
