@@ -13,6 +13,8 @@ Implementations:
 - ours:     ``django_dlock.lock(name)`` on ``ZooKeeperBackend``: the same
             recipe, with a fencing token, holder metadata and watchdog
             registration included
+- primitives: ours without the handle: the backend's ``do_acquire`` and
+            ``do_release`` alone (no watchdog, signals or holder metadata)
 - ours-etcd: ``django_dlock.lock(name)`` on ``EtcdBackend``, on the same machine
 
 Uncontended: cycles/s of acquire + release by one process, the median of
@@ -48,6 +50,7 @@ TTL = 30
 HOLD = 0.001
 RACE = 0.002  # requests closer together than this may reach the server in either order
 SESSION = 10.0
+PRIMITIVE_HOLDER = '{"host":"bench","pid":1,"thread":"MainThread","ttl":30.0}'
 
 
 class Impl:
@@ -63,6 +66,12 @@ class Impl:
             self.client.ensure_path("/bench")
 
     def acquire(self, name: str) -> Any:
+        if self.kind == "primitives":
+            from django_dlock import locks
+
+            owner = uuid.uuid4().hex
+            assert locks["default"].do_acquire(name, owner, TTL, PRIMITIVE_HOLDER, renew=False)
+            return owner
         if self.kind == "floor":
             return self.client.create(f"/bench/{name}-", b"x", ephemeral=True, sequence=True)
         if self.kind == "kazoo":
@@ -77,7 +86,11 @@ class Impl:
         return lock(name, backend=alias, ttl=TTL).acquire()
 
     def release(self, name: str, held: Any) -> None:
-        if self.kind == "floor":
+        if self.kind == "primitives":
+            from django_dlock import locks
+
+            assert locks["default"].do_release(name, held)
+        elif self.kind == "floor":
             self.client.delete(held)
         else:
             held.release()
@@ -186,7 +199,7 @@ def main() -> None:
         version = zk_command(zk.client_port, "srvr").splitlines()[0]
         print(f"{version}; etcd on {etcd.endpoint}; Python {sys.version.split()[0]}; "
               f"{os.cpu_count()} cores")  # fmt: skip
-        rates = uncontended(hosts, ["floor", "ours", "kazoo"], cycles, rounds)
+        rates = uncontended(hosts, ["floor", "ours", "primitives", "kazoo"], cycles, rounds)
         rates["ours-etcd"] = uncontended(hosts, ["floor", "ours-etcd"], cycles, rounds)[
             "ours-etcd"
         ]
@@ -198,7 +211,7 @@ def main() -> None:
         rows = [["implementation", "cycles/s", "x floor"]]
         rows += [
             [k, f"{rates[k]['cycles_per_s']:,.0f}", f"{rates[k]['x_floor']:.2f}"]
-            for k in ("floor", "ours", "kazoo", "ours-etcd")
+            for k in ("floor", "ours", "primitives", "kazoo", "ours-etcd")
         ]
         print(table(rows))
 
