@@ -35,7 +35,7 @@ def escape(name: str) -> str:
 
 
 #: ``escape`` of the names in use (on every acquire and release).
-_escape = functools.lru_cache(maxsize=4096)(escape)
+escape_cached = functools.lru_cache(maxsize=4096)(escape)
 
 
 def unescape(component: str) -> str:

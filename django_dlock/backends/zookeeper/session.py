@@ -37,7 +37,7 @@ from .paths import (
     NODE_MARK,
     SWEEP_AFTER,
     Bounded,
-    _escape,
+    escape_cached,
     escape,
     parse_location,
 )
@@ -408,7 +408,7 @@ class ZooKeeperSession(BaseLockBackend):
     # --- paths ----------------------------------------------------------------------------
 
     def _dir(self, name: str) -> str:
-        return f"{self.root}/{_escape(name)}"
+        return f"{self.root}/{escape_cached(name)}"
 
     @staticmethod
     def _contenders(children: Iterable[str]) -> list[tuple[str, str]]:
