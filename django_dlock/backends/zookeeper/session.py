@@ -37,8 +37,8 @@ from .paths import (
     NODE_MARK,
     SWEEP_AFTER,
     Bounded,
-    escape_cached,
     escape,
+    escape_cached,
     parse_location,
 )
 
