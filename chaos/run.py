@@ -265,38 +265,25 @@ class EtcdTarget(Target):
             member.cleanup()
 
 
-class ZooKeeperTarget(Target):
-    """A 3-server ensemble (100 ms ticks); the workers' sessions time out after TTL (2 s)."""
+class ZooKeeperTarget(EtcdTarget):
+    """A 3-server ensemble (100 ms ticks); the workers' sessions time out after TTL (2 s).
+
+    Its ``leader`` fault, heal and stop are etcd's: the servers are its members.
+    """
 
     name = "zookeeper"
-    faults = ("pause", "kill", "leader", *NETWORK, *PROXIED)
 
     def start(self, run: Run) -> None:
-        self.servers = start_zookeeper([(free_port(), free_port(), free_port()) for _ in range(3)])
-        self.down: Any = None
+        self.members = start_zookeeper([(free_port(), free_port(), free_port()) for _ in range(3)])
+        self.down = None
 
     def worker_settings(self, run: Run) -> tuple[dict[str, Any], dict[str, Any]]:
         hosts = []
-        for server in self.servers:
+        for server in self.members:
             host, port = run.lock_address(server.client_port)
             hosts.append(f"{host}:{port}")
         return {"BACKEND": "django_dlock.backends.zookeeper.ZooKeeperBackend", "LOCATION": hosts,
                 "OPTIONS": {"session_timeout": TTL, "timeout": 2.0}}, {}  # fmt: skip
-
-    def inject(self, fault: str) -> None:
-        assert fault == "leader"
-        leaders = [s for s in self.servers if s.process is not None and s.mode() == "leader"]
-        self.down = leaders[0] if leaders else random.choice(self.servers)
-        self.down.kill()
-
-    def heal(self, fault: str) -> None:
-        if self.down is not None:
-            self.down.start(wait=True)
-            self.down = None
-
-    def stop(self) -> None:
-        for server in self.servers:
-            server.cleanup()
 
 
 class ZooKeeperStandaloneTarget(ZooKeeperTarget):
@@ -306,12 +293,12 @@ class ZooKeeperStandaloneTarget(ZooKeeperTarget):
     faults = ("pause", "kill", "restart", *NETWORK, *PROXIED)
 
     def start(self, run: Run) -> None:
-        self.servers = start_zookeeper([(free_port(), free_port(), free_port())])
+        self.members = start_zookeeper([(free_port(), free_port(), free_port())])
         self.down = None
 
     def inject(self, fault: str) -> None:
         assert fault == "restart"
-        self.down = self.servers[0]
+        self.down = self.members[0]
         self.down.kill()
 
 

@@ -426,6 +426,9 @@ class ZooKeeperServer(_ServerProcess):
                 return line[len("Mode: ") :].strip()
         return ""
 
+    def is_leader(self) -> bool:
+        return self.mode() == "leader"
+
     def wait_serving(self, timeout: float = 60) -> None:
         try:
             what = f"ZooKeeper {self.sid} on {self.client_port} ({self.dir})"

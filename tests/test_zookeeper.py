@@ -175,10 +175,19 @@ def test_a_holder_frozen_past_its_session_knows_its_lease_is_gone(name: str) -> 
         holder.wait(timeout=20)
 
 
+def _expire_session(backend: ZooKeeperBackend) -> None:
+    """ZooKeeper's own way to expire a session: another client with its id and password."""
+    from kazoo.client import KazooClient
+
+    twin = KazooClient(hosts=backend.hosts, client_id=backend.client.client_id)
+    twin.start(timeout=10)
+    twin.stop()
+    twin.close()
+
+
 def test_an_expired_session_marks_every_lease_on_it_lost(name: str) -> None:
     """The session ends (closed by a second client with its id): every lease on it is
     lost at once, with lock_lost, and others can take them."""
-    from kazoo.client import KazooClient
 
     backend = locks["zookeeper"]
     assert isinstance(backend, ZooKeeperBackend)
@@ -195,11 +204,7 @@ def test_an_expired_session_marks_every_lease_on_it_lost(name: str) -> None:
     try:
         first = lock(f"{name}:a", backend="zookeeper", ttl=30).acquire()
         second = lock(f"{name}:b", backend="zookeeper", ttl=30).acquire()
-        # ZooKeeper's own way to expire a session: another client with its id and password.
-        twin = KazooClient(hosts=backend.hosts, client_id=backend.client.client_id)
-        twin.start(timeout=10)
-        twin.stop()
-        twin.close()
+        _expire_session(backend)
         assert seen.wait(15), lost
         assert sorted(lost) == [f"{name}:a", f"{name}:b"]
         assert first.lost and second.lost
@@ -374,15 +379,11 @@ def _ensured(held: Any) -> bool:
 
 def test_an_expired_session_ends_a_lease_nobody_renews_too(name: str) -> None:
     """renew=False: no lock_lost (nothing watches it), but the handle counts itself lost."""
-    from kazoo.client import KazooClient
 
     backend = locks["zookeeper"]
     assert isinstance(backend, ZooKeeperBackend)
     held = lock(name, backend="zookeeper", ttl=30, renew=False).acquire()
-    twin = KazooClient(hosts=backend.hosts, client_id=backend.client.client_id)
-    twin.start(timeout=10)
-    twin.stop()
-    twin.close()
+    _expire_session(backend)
     wait_for(lambda: held.lost, 10, "the handle to count its lease lost")
     with lock(name, backend="zookeeper", timeout=10) as again:
         assert again.token > held.token

@@ -69,7 +69,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
         return result
 
     def _try_acquire(self, attempt: ZooKeeperAttempt) -> int | Grant | None:
-        name, _owner = attempt.name, attempt.owner
+        name = attempt.name
         directory = self._dir(name)
         client = self.client
         try:
@@ -148,8 +148,7 @@ class ZooKeeperBackend(ZooKeeperOperations):
     def _find_node(self, attempt: ZooKeeperAttempt, directory: str) -> None:
         try:
             # A follower may not have applied our create yet: read what the leader has.
-            self.zk.sync(directory)
-            children = self.zk.get_children(directory)
+            children = self.zk.synced_children(directory)
         except NoNodeError:
             return
         mark = attempt.owner + NODE_MARK
@@ -288,8 +287,11 @@ class ZooKeeperBackend(ZooKeeperOperations):
             held = self._held.get(owner)
         if held is None or held.name != name or held.expires <= time.monotonic():
             return False
+        sent = time.monotonic()
         try:
-            self.zk.sync(held.path)
-            return self.zk.exists(held.path) is not None
+            found = self.zk.synced_exists(held.path) is not None
         except ERRORS as e:
             raise self._unavailable(name, e) from e
+        if found:
+            self._heard(sent, held.session)
+        return found

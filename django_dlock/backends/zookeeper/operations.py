@@ -117,8 +117,7 @@ class ZooKeeperOperations(ZooKeeperSession):
     def do_ping(self) -> tuple[str, tuple[str, ...]]:
         client = self.client
         try:
-            self.zk.sync("/")
-            self.zk.exists(self.root)
+            self.zk.synced_exists(self.root)
         except ERRORS as e:
             raise self._unavailable("", e) from e
         version = "ZooKeeper"

@@ -119,8 +119,15 @@ class Bounded:
     def delete(self, path: str, version: int = -1) -> None:
         self.client.delete_async(path, version=version).get(timeout=self.timeout)
 
-    def sync(self, path: str) -> None:
-        self.client.sync_async(path).get(timeout=self.timeout)
+    def synced_children(self, path: str) -> list[str]:
+        """The children as the leader has them: a sync, and the read pipelined behind it."""
+        self.client.sync_async(path)
+        return self.get_children(path)
+
+    def synced_exists(self, path: str) -> Any:
+        """``exists`` as the leader has it: a sync, and the read pipelined behind it."""
+        self.client.sync_async(path)
+        return self.exists(path)
 
     def ensure_path(self, path: str) -> None:
         self.client.ensure_path_async(path).get(timeout=self.timeout)

@@ -294,8 +294,7 @@ class ZooKeeperSession(BaseLockBackend):
         mark = owner + NODE_MARK
         bounded = Bounded(client, self.timeout)
         try:
-            bounded.sync(directory)
-            children = bounded.get_children(directory)
+            children = bounded.synced_children(directory)
         except NoNodeError:
             return
         except ERRORS:
