@@ -513,3 +513,18 @@ def test_empty_lock_directories_are_swept_unless_told_not_to(name: str, sweep: b
             assert backend.zk.exists(directory) is not None
     finally:
         backend.close()
+
+
+def test_a_renewal_batch_answers_an_unreachable_service_per_lease() -> None:
+    """Renewals against a service that cannot be reached: each lease gets its error (the
+    watchdog retries it until the lease runs out), not one exception for the batch."""
+    from tests.servers import free_port
+
+    backend = ZooKeeperBackend(
+        "zk-none", {"LOCATION": f"127.0.0.1:{free_port()}", "OPTIONS": {"timeout": 0.5}}
+    )
+    try:
+        results = backend.do_extend_many([("a", "o1", 5.0), ("b", "o2", 5.0)])
+        assert [type(r).__name__ for r in results] == ["BackendUnavailable"] * 2
+    finally:
+        backend.close()
