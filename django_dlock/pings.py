@@ -72,16 +72,23 @@ def ping_in_thread(backend: BaseLockBackend) -> tuple[Future[ServerStatus], floa
     """The ping of ``backend`` under way, or a new one on a daemon thread; and when it began."""
     with _pings.mutex:
         under_way: tuple[Future[ServerStatus], float] | None = _pings.calls.get(backend)
-        if under_way is not None:
+        # A finished ping may not be forgotten yet (its thread sets the result,
+        # then forgets it): it answered for the server as it was, not as it is.
+        if under_way is not None and not under_way[0].done():
             return under_way
+
+        mine: list[Future[ServerStatus]] = []
 
         def done() -> None:
             with _pings.mutex:
-                _pings.calls.pop(backend, None)
+                entry = _pings.calls.get(backend)
+                if entry is not None and mine and entry[0] is mine[0]:
+                    del _pings.calls[backend]  # not a newer ping that replaced this one
             if backend.uses_django_connections:
                 connections.close_all()  # this thread's own: it ends here
 
         future = on_daemon_thread(backend.ping, f"dlock-ping:{backend.alias}", done)
+        mine.append(future)
         _pings.calls[backend] = under_way = (future, time.monotonic())
     return under_way
 

@@ -340,3 +340,21 @@ def test_a_forked_child_starts_its_own_ping() -> None:
     started = re.search(r"the ping started ([0-9.]+) s ago", message)
     assert started is not None, message
     assert float(started.group(1)) < 1.5, message
+
+
+def test_a_finished_ping_is_never_handed_to_the_next_probe() -> None:
+    """CI: the probe right after an etcd kill answered 200. The ping thread sets its
+    result, then forgets the call: a probe in between was handed the finished
+    ping of the server as it was before, not a new one."""
+    from django_dlock import locks
+    from django_dlock.pings import ping_in_thread
+
+    backend = locks["locmem"]
+    reused = 0
+    for _ in range(300):
+        first, _ = ping_in_thread(backend)
+        first.result(5)
+        second, _ = ping_in_thread(backend)
+        reused += second is first
+        second.result(5)
+    assert reused == 0
